@@ -28,6 +28,7 @@ class GatedModel:
     verified: Verified
     identity: FileIdentity
     fork_text: str
+    given: str = ""  # the path as given: a re-verification pins its basename, as the first one did
 
 
 def gate_model(path: str, fork_text: str, engine: str = "mainline") -> GatedModel:
@@ -46,7 +47,7 @@ def gate_model(path: str, fork_text: str, engine: str = "mainline") -> GatedMode
         raise Refusal(f"cannot read {path}: {e.strerror or e}") from e
     if after != before:
         raise Refusal(f"{path} changed while it was being hashed: refused")
-    return GatedModel(canonical, verified, after, fork_text)
+    return GatedModel(canonical, verified, after, fork_text, os.fspath(path))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import gguf
@@ -182,19 +181,18 @@ def test_cli_sha256_and_fork_roundtrip(bankml_cmd, model: Path, tmp_path: Path):
 
 
 def test_gate_commands_do_not_import_jax(bankml_cmd, model: Path):
-    code = ("import sys, runpy; sys.argv=['bankml','verify',%r,'--fork',%r];"
+    code = (f"import sys; sys.argv=['bankml','verify',{str(model)!r},'--fork',{str(fork_for(model))!r}];"
             "from bankml.cli import main; rc=main(sys.argv[1:]);"
             "assert 'jax' not in sys.modules and 'sanic' not in sys.modules and 'numpy' not in sys.modules, "
             "sorted(m for m in sys.modules if m.split('.')[0] in ('jax','sanic','numpy'));"
-            "sys.exit(rc)") % (str(model), str(fork_for(model)))
+            "sys.exit(rc)")
     import subprocess
     import sys
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    start = time.perf_counter()
     r = run_cli(bankml_cmd, "guard", str(model))
-    assert r.returncode == 0 and time.perf_counter() - start < 1.0
+    assert (r.returncode, r.stdout.split()[0]) == (0, "play")
 
 
 @pytest.mark.slow
