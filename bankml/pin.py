@@ -18,7 +18,7 @@ from pathlib import Path
 from bankml import __version__
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-_BLOCK_BYTES = 8 << 20
+_BLOCK_BYTES = 1 << 20  # fits in L2: larger reads evict the data before it is hashed
 
 
 class PinError(Exception):

@@ -41,7 +41,7 @@ def model(tmp_path: Path) -> Path:
 
 
 def test_sha256_matches_hashlib_on_odd_sizes(tmp_path: Path):
-    for size in (0, 1, 8 << 20, (8 << 20) + 3):
+    for size in (0, 1, 1 << 20, (3 << 20) + 3):
         p = tmp_path / f"f{size}"
         data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
         p.write_bytes(data)
