@@ -67,3 +67,7 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Set by the engine thread on a request's last output, as llama-server's timings measure them:
+    # the prompt (prefill up to the first token) and the decode steps after it, in milliseconds.
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0

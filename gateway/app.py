@@ -1,0 +1,175 @@
+"""The native gateway: `run_gateway` (called by bankml.serve once the gate has passed) and the app.
+Without --native, `run_gateway` hands over to gateway/p0.py (in front of llama-server).
+
+Start-up, after bankml.serve verified the file: start the engine thread, load and warm the model on
+it, bind both addresses (--listen, and --upstream for llama-server's clients), and only then serve.
+Any failure before serving prints `bankml serve: refuse: <why>` and returns 2 with no socket left
+bound. Sanic runs in one process (`Sanic.serve_single`): the engine lives here, and JAX must never be
+forked.
+
+Routing is one table, matched on the exact request target, as the original matches it: a `?query`,
+a trailing slash or a percent-escape is another path, and any unknown (method, path) is a 404.
+Every connection first passes the loopback rules (loopback.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sanic import Sanic
+from sanic.exceptions import NotFound
+
+from bankml import __version__
+from gateway import bankml_routes, llama_routes
+from gateway.bankml_routes import MetricsRing
+from gateway.chat_route import chat_completions
+from gateway.engine_client import EngineClient
+from gateway.errors import GatewayErrorHandler
+from gateway.loopback import Limits, make_protocol
+from gateway.residency import Loader, Residency
+from model.engine_thread import EngineThread
+
+log = logging.getLogger("bankml.gateway")
+
+Handler = Callable[[Any, "GatewayState"], Awaitable[Any]]
+
+ROUTES: dict[tuple[str, str], Handler] = {
+    ("GET", "/bankml"): bankml_routes.bankml,
+    ("GET", "/bankml/usage"): bankml_routes.usage,
+    ("GET", "/bankml/metrics"): bankml_routes.metrics,
+    ("GET", "/health"): llama_routes.health,
+    ("GET", "/props"): llama_routes.props,
+    ("GET", "/v1/models"): llama_routes.models,
+    ("POST", "/tokenize"): llama_routes.tokenize,
+    ("POST", "/apply-template"): llama_routes.apply_template,
+    ("POST", "/v1/chat/completions"): chat_completions,
+}
+
+
+def routes_text() -> str:
+    by_method: dict[str, list[str]] = {}
+    for method, path in ROUTES:
+        by_method.setdefault(method, []).append(path)
+    return "bankml serve --native: " + ", ".join(f"{m} {' '.join(p)}" for m, p in by_method.items())
+
+
+@dataclass
+class GatewayState:
+    residency: Residency
+    client: EngineClient
+    upstream: str  # "host:port" of the engine address, as /bankml reports it
+    metrics: MetricsRing
+
+
+def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve") -> Sanic:
+    app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(routes_text()))
+    app.config.update({
+        "REQUEST_MAX_SIZE": limits.max_body_bytes,
+        "REQUEST_TIMEOUT": limits.read_timeout_s,  # idle time while a body is read (restarts at each byte)
+        "KEEP_ALIVE": False,  # one request per connection; every answer says Connection: close
+        "KEEP_ALIVE_TIMEOUT": limits.read_timeout_s,
+        # no whole-response limit: an answer is bounded by the context, a blocked write by write_timeout_s
+        "RESPONSE_TIMEOUT": 365 * 24 * 3600,
+        "GRACEFUL_SHUTDOWN_TIMEOUT": 2.0,
+        "ACCESS_LOG": False,
+        "NOISY_EXCEPTIONS": False,
+        "MOTD": False,
+        "FALLBACK_ERROR_FORMAT": "text",
+    })
+    app.ctx.state = state
+
+    async def dispatch(request, path: str = ""):
+        target = request.raw_url.decode("latin-1")
+        handler = ROUTES.get((request.method, target))
+        if handler is None:
+            raise NotFound()
+        return await handler(request, app.ctx.state)
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]
+    app.add_route(dispatch, "/", methods=methods, name="root")
+    app.add_route(dispatch, "/<path:path>", methods=methods, name="dispatch")
+    return app
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def native_loader(n_ctx: int, n_slots: int) -> Loader:
+    def load(path: str):
+        from model.engine_thread import load_engine
+
+        return load_engine(path, n_ctx=n_ctx, n_slots=n_slots)
+
+    return load
+
+
+def _refuse(why: str) -> int:
+    print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
+    return 2
+
+
+def run_gateway(gated, options, loader: Loader | None = None) -> int:
+    """Load, warm, bind, serve until stopped. Returns the process exit code."""
+    if not options.native:  # P0: in front of llama-server (gateway/p0.py)
+        try:
+            from gateway.p0 import run_p0
+        except ImportError:
+            return _refuse("serving in front of llama-server (without --native) is not built yet; add --native")
+        return run_p0(gated, options)
+    logging.basicConfig(level=logging.INFO, format="bankml serve: %(message)s", stream=sys.stderr)
+    logging.getLogger("sanic.access").setLevel(logging.WARNING)
+    limits = Limits.from_config(options.config.get("limits", {}))
+    engine_cfg = options.config.get("engine", {})
+    thread = EngineThread()
+    client = EngineClient(thread)
+    residency = Residency(gated, client, loader or native_loader(options.ctx, int(engine_cfg.get("n_slots", 1))))
+    log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
+    try:
+        loaded = residency.load_startup()
+    except Exception as e:
+        thread.stop()
+        return _refuse(f"cannot load {gated.path}: {e}")
+    listen, upstream = _address(*options.listen), _address(*options.upstream)
+    sockets: list[socket.socket] = []
+    try:
+        sockets.append(bind(*options.listen))
+    except OSError as e:
+        thread.stop()
+        return _refuse(f"cannot listen on {listen}: {e.strerror or e}")
+    try:
+        sockets.append(bind(*options.upstream))
+    except OSError as e:
+        sockets[0].close()
+        thread.stop()
+        return _refuse(f"cannot listen on the engine address {upstream}: {e.strerror or e} "
+                       "(is llama-server running there?)")
+    listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
+    upstream = _address(*sockets[1].getsockname()[:2])
+    state = GatewayState(residency, client, upstream, MetricsRing())
+    app = create_app(state, limits)
+    for sock in sockets:
+        app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False,
+                    access_log=False)
+    v = loaded.verified
+    log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,
+             v.arch, v.name, loaded.compile_s, loaded.engine)
+    log.info("bankml %s --native: models %s; listening on http://%s and, for llama-server's clients, "
+             "http://%s", __version__, ", ".join(residency.names), listen, upstream)
+    try:
+        Sanic.serve_single(app)
+    finally:
+        thread.stop()
+        for sock in sockets:
+            sock.close()
+    return 0

@@ -1,0 +1,103 @@
+"""`POST /v1/chat/completions`, top to bottom.
+
+1. parse the body (openai_chat.parse_chat): a 400 before any model work;
+2. resolve `model` (404) and acquire the model: its file must still be the verified one, or 503 and
+   no receipt (residency.py);
+3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
+4. hand the request to the engine queue (engine_client.py) and read this request's outputs;
+5. write them: one JSON answer, or SSE chunks as the pieces form; the head of a stream goes out with
+   the first token, so a failure before it is still an ordinary error status;
+6. the receipt over the text exactly as sent, then `[DONE]`.
+A client that goes away cancels the handler; leaving the `async with` aborts the generation before
+the engine's next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from gateway.errors import ApiError, exceed_context, json_response
+from gateway.openai_chat import (
+    DONE_EVENT,
+    chunk_event,
+    completion_body,
+    error_event,
+    final_event,
+    parse_chat,
+    receipt_event,
+)
+from gateway.receipt import Tally
+from model.messages import FinishReason, GenerateRequest, StepOutput
+
+
+def engine_error(state, out: StepOutput) -> ApiError:
+    """An engine failure: 503 when the engine thread is gone (nothing will answer), else 500; with the reason."""
+    why = out.error or "the engine failed"
+    if state.client.failure is not None:
+        return ApiError(503, why)
+    return ApiError(500, why)
+
+
+async def chat_completions(request, state):
+    body = request.body
+    chat = parse_chat(body)
+    state.residency.resolve(chat.model)
+    loaded = await state.residency.acquire()
+    prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages)
+    if len(prompt) >= loaded.model.n_ctx:
+        raise exceed_context(len(prompt), loaded.model.n_ctx)
+    job = GenerateRequest(prompt, chat.params, request_id=f"chatcmpl-{uuid.uuid4().hex[:16]}")
+    created = int(time.time())
+    tally = Tally.start(body)
+    if chat.stream:
+        return await _streamed(request, state, loaded, job, tally, created)
+    return await _whole(state, loaded, job, tally, created)
+
+
+async def _whole(state, loaded, job: GenerateRequest, tally: Tally, created: int):
+    pieces: list[str] = []
+    last: StepOutput | None = None
+    async with state.client.generate(job) as gen:
+        async for out in gen:
+            if out.token is not None:
+                tally.token()
+            pieces.append(out.text)
+            last = out
+    if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        raise engine_error(state, last or StepOutput(token=None))
+    text = "".join(pieces)
+    tally.sent(text)
+    tally.prompt_tokens, tally.completion_tokens = last.prompt_tokens, last.completion_tokens
+    state.metrics.add(loaded.file_name.removesuffix(".gguf"), last, tally.ttft_ms)
+    receipt = tally.receipt(loaded.engine, loaded.verified)
+    return json_response(completion_body(text, last, created, loaded.file_name, receipt))
+
+
+async def _streamed(request, state, loaded, job: GenerateRequest, tally: Tally, created: int):
+    response = None
+    async with state.client.generate(job) as gen:
+        async for out in gen:
+            if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                if response is None:
+                    raise engine_error(state, out)
+                await response.send(error_event(engine_error(state, out)))  # no receipt for a failed answer
+                await response.eof()
+                return None  # the answer went out through `response`
+            if response is None:
+                response = await request.respond(content_type="text/event-stream",
+                                                  headers={"Cache-Control": "no-cache"})
+            if out.token is not None:
+                tally.token()
+            if out.text:
+                await response.send(chunk_event(out.text, created, loaded.file_name))
+                tally.sent(out.text)
+            if out.finish_reason is not None:
+                tally.prompt_tokens, tally.completion_tokens = out.prompt_tokens, out.completion_tokens
+                state.metrics.add(loaded.file_name.removesuffix(".gguf"), out, tally.ttft_ms)
+                await response.send(final_event(out, created, loaded.file_name))
+                await response.send(receipt_event(tally.receipt(loaded.engine, loaded.verified)))
+                await response.send(DONE_EVENT)
+                await response.eof()
+    return None  # the answer went out through `response`

@@ -1,0 +1,82 @@
+"""The bridge from the event loop to the engine thread.
+
+Each generation gets its own asyncio.Queue. The engine thread's emit callback puts each `StepOutput`
+on it with `loop.call_soon_threadsafe`, so the handler awaits its outputs without polling and without
+ever blocking the loop. Leaving the `async with` block (the answer is complete, the client went away
+and Sanic cancelled the handler, or the handler failed) cancels the generation: the engine thread
+sees the flag before its next decode step.
+
+No jax here: the thread and the engine live in model/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from model.engine_thread import EngineThread, Ticket
+from model.messages import GenerateRequest, StepOutput
+
+
+class Generation:
+    """One submitted request: iterate its outputs; the last one has a finish_reason."""
+
+    def __init__(self, queue: asyncio.Queue, ticket: Ticket):
+        self._queue = queue
+        self._ticket = ticket
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[StepOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[StepOutput]:
+        while not self.done:
+            out: StepOutput = await self._queue.get()
+            if out.finish_reason is not None:
+                self.done = True
+            yield out
+
+    def cancel(self) -> None:
+        self._ticket.cancel()
+
+
+class _Submitted:
+    def __init__(self, thread: EngineThread, request: GenerateRequest):
+        self._thread = thread
+        self._request = request
+        self._generation: Generation | None = None
+
+    async def __aenter__(self) -> Generation:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(out: StepOutput) -> None:  # runs on the engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the loop is closed: the server is stopping, nobody is listening
+                pass
+
+        self._generation = Generation(queue, self._thread.submit(self._request, emit))
+        return self._generation
+
+    async def __aexit__(self, *exc) -> None:
+        if self._generation is not None and not self._generation.done:
+            self._generation.cancel()
+
+
+class EngineClient:
+    def __init__(self, thread: EngineThread):
+        self.thread = thread
+
+    def generate(self, request: GenerateRequest) -> _Submitted:
+        """`async with client.generate(req) as gen: async for out in gen: ...`"""
+        return _Submitted(self.thread, request)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread (load, warm, unload) and await its result."""
+        return await asyncio.wrap_future(self.thread.call(fn))
+
+    @property
+    def failure(self) -> str | None:
+        return self.thread.failure

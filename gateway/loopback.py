@@ -1,0 +1,381 @@
+"""The loopback rules (serve.md, serving.md §0, gate.md §5), enforced before Sanic parses anything.
+
+Checks, in the original's order:
+1. while the head is read: a request or header line over 16 KiB (terminator included), or more than
+   100 header lines -> 400;
+2. a Host other than 127.0.0.1, localhost or [::1], any port (a missing Host counts) -> 403;
+3. OPTIONS (a cross-origin preflight; this server has no --allow-origin) -> 403;
+4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
+5. a Content-Length over 16 MiB -> 413;
+6. a POST whose Content-Type does not start with application/json -> 415;
+7. more than 32 open connections on a listener -> 503, decided when the connection is accepted.
+
+Refusals are text/plain with `Connection: close`. Each is written at once, then what the client sent
+is read and discarded (its announced body, or until it pauses for 50 ms) for at most 200 ms before the
+socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
+byte while a request is read (head and body), 120 s blocked on a write.
+
+Why a protocol of our own rather than Sanic's limits: Sanic's REQUEST_MAX_HEADER_SIZE caps the whole
+head (and at most 16 KiB), not one line, and it answers 413 where the original answers 400; Sanic
+accepts chunked bodies; it has no connection limit and no write timeout; and its checks would run in
+another order. So `LoopbackProtocol` reads the head itself, line by line, and only a head that passes
+reaches Sanic, re-serialized with CRLF endings (Sanic's parser needs them; the original also accepts a
+bare LF). Sanic's own limits stay on as a second line: REQUEST_MAX_SIZE = 16 MiB, REQUEST_TIMEOUT
+(idle time while the body is read; Sanic restarts that clock at every byte) = 30 s, and its head limit
+is raised to what the line rules allow (101 lines of 16 KiB), which they already enforce.
+
+The pure parts (`HeadReader`, `check_head`, `loopback_host`, `plain_response`) carry no Sanic state,
+so the llama-server proxy (P0) reuses them unchanged, and so does `make_protocol`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from time import monotonic
+
+from sanic.http import Http
+from sanic.models.server_types import ConnInfo
+from sanic.server.protocols.http_protocol import HttpProtocol
+
+log = logging.getLogger("bankml.gateway")
+
+HOST_REFUSED = "bankml serve answers loopback clients only (Host must be 127.0.0.1, localhost or [::1])"
+CHUNKED_REFUSED = "chunked requests are not accepted; send Content-Length"
+TOO_LARGE = "request too large"
+NOT_JSON = "POST bodies must be Content-Type: application/json"
+LINE_TOO_LONG = "request line too long"
+HEAD_TOO_LARGE = "request head too large"
+BAD_HEAD = "malformed request head"
+PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (no --allow-origin)"
+TOO_MANY = "bankml serve: too many connections"
+
+QUIET_MS = 50  # a drain with no announced length stops after this long without a byte
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 32
+    max_body_bytes: int = 16 << 20
+    max_line_bytes: int = 16 << 10
+    max_header_lines: int = 100
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 120.0
+    drain_ms: int = 200
+
+    @classmethod
+    def from_config(cls, limits: dict) -> Limits:
+        """The [limits] table of configs/default.toml (keys this module does not use are ignored)."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in limits.items() if k in names})
+
+    @property
+    def max_head_bytes(self) -> int:
+        # the request line, every header line and the blank line, each at its longest
+        return (self.max_header_lines + 2) * self.max_line_bytes
+
+
+@dataclass(frozen=True)
+class Refusal:
+    status: int
+    text: str
+    drain_bytes: int | None = None  # the body still to come, if announced; None: drain until quiet
+
+
+@dataclass(frozen=True)
+class Head:
+    method: str
+    target: str
+    version: str
+    headers: tuple[tuple[str, str], ...]  # (lower-cased name, trimmed value), in order
+    body_start: bytes  # whatever followed the blank line in the same reads
+
+    def header(self, name: str) -> str | None:
+        """The first value of `name` (lower case), as the original looks headers up."""
+        return next((v for k, v in self.headers if k == name), None)
+
+    def serialized(self) -> bytes:
+        lines = [f"{self.method} {self.target} {self.version}", *(f"{k}: {v}" for k, v in self.headers)]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + self.body_start
+
+
+class HeadReader:
+    """Reads an HTTP/1 head incrementally, one bounded line at a time.
+
+    `feed(data)` returns None while the head is incomplete, a `Refusal` as soon as a line or the line
+    count is over its limit (without waiting for the rest), or the `Head` once the blank line arrives.
+    """
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self._buf = bytearray()
+        self._pos = 0  # start of the line being read
+        self._lines: list[bytes] = []
+
+    def feed(self, data: bytes) -> Head | Refusal | None:
+        self._buf += data
+        max_line = self.limits.max_line_bytes
+        while True:
+            nl = self._buf.find(b"\n", self._pos, self._pos + max_line)
+            if nl == -1:
+                if len(self._buf) - self._pos >= max_line:  # its first 16 KiB hold no line end
+                    return Refusal(400, LINE_TOO_LONG if not self._lines else HEAD_TOO_LARGE)
+                return None
+            line = bytes(self._buf[self._pos:nl])
+            self._pos = nl + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if not line:
+                if not self._lines:
+                    return Refusal(400, BAD_HEAD)  # a head that starts with a blank line
+                return _parse_head(self._lines, bytes(self._buf[self._pos:]))
+            if len(self._lines) > self.limits.max_header_lines:  # the request line plus 100 headers
+                return Refusal(400, HEAD_TOO_LARGE)
+            self._lines.append(line)
+
+
+def _parse_head(lines: list[bytes], body_start: bytes) -> Head | Refusal:
+    # latin-1 keeps every byte as one character, so nothing is lost before Sanic sees it
+    parts = lines[0].decode("latin-1").split()
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        return Refusal(400, BAD_HEAD)
+    headers = []
+    for raw in lines[1:]:
+        name, sep, value = raw.decode("latin-1").partition(":")
+        if not sep or not name.strip():
+            return Refusal(400, BAD_HEAD)
+        headers.append((name.strip().lower(), value.strip()))
+    return Head(parts[0], parts[1], parts[2], tuple(headers), body_start)
+
+
+def loopback_host(value: str) -> bool:
+    """127.0.0.1, localhost or [::1], with or without a port; anything else (an empty one too) is not."""
+    h = value.strip().lower()
+    if h.startswith("["):
+        host, _, rest = h.partition("]")
+        return host == "[::1" and (rest == "" or rest.startswith(":"))
+    return h.split(":")[0] in ("127.0.0.1", "localhost")
+
+
+def content_length(head: Head) -> int | Refusal:
+    values = {v for k, v in head.headers if k == "content-length"}
+    if not values:
+        return 0
+    if len(values) > 1 or not next(iter(values)).isdigit():
+        return Refusal(400, "bad Content-Length")
+    return int(next(iter(values)))
+
+
+def check_head(head: Head, limits: Limits) -> Refusal | None:
+    """Rules 2-6 on a complete head; None when the request may go on."""
+    n = content_length(head)
+    drain = None if isinstance(n, Refusal) else min(n, limits.max_body_bytes)
+    if not loopback_host(head.header("host") or ""):
+        return Refusal(403, HOST_REFUSED, drain)
+    if head.method == "OPTIONS":
+        return Refusal(403, PREFLIGHT_REFUSED, drain)
+    if head.header("transfer-encoding") is not None:
+        return Refusal(400, CHUNKED_REFUSED, drain)
+    if isinstance(n, Refusal):
+        return n
+    if n > limits.max_body_bytes:
+        return Refusal(413, TOO_LARGE, drain)
+    if head.method == "POST" and not (head.header("content-type") or "").lower().startswith("application/json"):
+        return Refusal(415, NOT_JSON, drain)
+    return None
+
+
+_REASONS = {400: "Bad Request", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout",
+            413: "Payload Too Large", 415: "Unsupported Media Type", 503: "Service Unavailable"}
+
+
+def plain_response(status: int, text: str) -> bytes:
+    body = text.encode("utf-8")
+    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1") + body
+
+
+class _LoopbackHttp(Http):
+    # Sanic caps a head at 16 KiB in all (Http.HEADER_CEILING); ours is bounded per line and by line
+    # count before it gets here, so Sanic's cap is raised to that bound.
+    HEADER_MAX_SIZE = Limits().max_head_bytes
+
+
+class LoopbackProtocol(HttpProtocol):
+    """Sanic's HTTP/1 protocol behind the loopback rules; `make_protocol` binds it to limits.
+
+    A connection starts in "head" mode: bytes go to a `HeadReader`, not to Sanic, and Sanic's
+    connection task is not started. A head that passes switches it to "pass" mode (Sanic from then
+    on); a refusal to "drain" mode; a connection over the limit starts in "over" mode.
+    """
+
+    limits: Limits = Limits()
+    _live: list[int] = [0]  # open connections on this listener (one class per listener)
+    HTTP_CLASS = _LoopbackHttp
+
+    def connection_made(self, transport):
+        transport.set_write_buffer_limits(low=16384, high=65536)
+        self.transport = transport
+        self.recv_buffer = bytearray()
+        self.conn_info = ConnInfo(transport, unix=self._unix)
+        self._mode = "head"
+        self._counted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._drain_left: int | None = None
+        self._body_left = 0
+        self._drain_event = asyncio.Event()
+        self._closed = False
+        self._last_rx = monotonic()
+        if self._live[0] >= self.limits.max_connections:
+            self._mode = "over"
+            self._drain_task = self.loop.create_task(self._answer_over_limit())
+            return
+        self._live[0] += 1
+        self._counted = True
+        self._head = HeadReader(self.limits)
+        self._arm_read_timer()
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes):
+        if self._mode == "pass":
+            if self._body_left > 0:
+                self._body_left -= len(data)
+                self._last_rx = monotonic()
+                if self._body_left <= 0:
+                    self._cancel_read_timer()
+            return super().data_received(data)
+        self._last_rx = monotonic()
+        self._time = self._last_rx
+        if self._mode != "head":  # over or drain: read and discard
+            if self._drain_left is not None:
+                self._drain_left -= len(data)
+            self._drain_event.set()
+            return
+        result = self._head.feed(data)
+        if result is None:
+            return
+        if isinstance(result, Refusal):
+            return self._refuse(result)
+        refusal = check_head(result, self.limits)
+        if refusal is not None:
+            if refusal.drain_bytes is not None:
+                refusal = Refusal(refusal.status, refusal.text, refusal.drain_bytes - len(result.body_start))
+            return self._refuse(refusal)
+        self._pass(result)
+
+    def _pass(self, head: Head) -> None:
+        """Hand the connection to Sanic: start its connection task and give it the normalized head."""
+        self._mode = "pass"
+        self._head = None
+        # Sanic reads the body in its handler stage, where only its whole-response timeout applies; the
+        # read timeout stays ours until the announced body is in
+        n = content_length(head)
+        self._body_left = (n if isinstance(n, int) else 0) - len(head.body_start)
+        if self._body_left <= 0:
+            self._cancel_read_timer()
+        self.connections.add(self)
+        self._task = self.loop.create_task(self.connection_task())
+        super().data_received(head.serialized())
+
+    def eof_received(self):
+        if self._mode in ("over", "drain"):
+            self._closed = True
+            self._drain_event.set()
+        return None  # close our side too: in "pass" mode Sanic then cancels the request
+
+    def connection_lost(self, exc):
+        self._closed = True
+        self._cancel_read_timer()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        if self._counted:
+            self._counted = False
+            self._live[0] -= 1
+        self._drain_event.set()
+        super().connection_lost(exc)
+
+    # --- refusals ------------------------------------------------------------------------------
+
+    def _refuse(self, refusal: Refusal) -> None:
+        self._mode = "drain"
+        self._cancel_read_timer()
+        self._head = None
+        log.info("refused %d: %s", refusal.status, refusal.text)
+        self._drain_left = refusal.drain_bytes
+        self.transport.write(plain_response(refusal.status, refusal.text))
+        self._drain_task = self.loop.create_task(self._drain_then_close())
+
+    async def _drain(self) -> None:
+        """Discard what the client sends for at most drain_ms: its announced body, or until it pauses."""
+        deadline = monotonic() + self.limits.drain_ms / 1e3
+        while not self._closed and (self._drain_left is None or self._drain_left > 0):
+            left = deadline - monotonic()
+            if left <= 0:
+                return
+            self._drain_event.clear()
+            wait = left if self._drain_left is not None else min(left, QUIET_MS / 1e3)
+            try:
+                await asyncio.wait_for(self._drain_event.wait(), wait)
+            except TimeoutError:
+                return
+
+    async def _drain_then_close(self) -> None:
+        await self._drain()
+        self._close_transport()
+
+    async def _answer_over_limit(self) -> None:
+        # off the accept path, and never more than drain_ms: a slow client cannot hold anyone else up
+        self.transport.write(plain_response(503, TOO_MANY))
+        await self._drain()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # --- timeouts ------------------------------------------------------------------------------
+
+    def _arm_read_timer(self) -> None:
+        due = self._last_rx + self.limits.read_timeout_s
+        self._timer = self.loop.call_later(max(0.0, due - monotonic()), self._read_timer_fired)
+
+    def _cancel_read_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _read_timer_fired(self) -> None:
+        self._timer = None
+        if self._mode not in ("head", "pass") or (self._mode == "pass" and self._body_left <= 0):
+            return
+        if monotonic() - self._last_rx < self.limits.read_timeout_s:
+            return self._arm_read_timer()
+        log.info("read timeout: nothing from the client for %.0f s; closing", self.limits.read_timeout_s)
+        self.transport.abort()  # in "pass" mode connection_lost follows, and Sanic cancels the request
+
+    def pause_writing(self):
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_timed_out)
+
+    def resume_writing(self):
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        log.info("write timeout: the client read nothing for %.0f s; closing", self.limits.write_timeout_s)
+        if self.transport is not None:
+            self.transport.abort()  # connection_lost follows, and Sanic cancels the request
+
+
+def make_protocol(limits: Limits) -> type[LoopbackProtocol]:
+    """A protocol class for one listener: these limits and its own connection count."""
+    http_class = type("LoopbackHttp", (_LoopbackHttp,), {"HEADER_MAX_SIZE": limits.max_head_bytes})
+    return type("LoopbackProtocol", (LoopbackProtocol,), {"limits": limits, "_live": [0],
+                                                          "HTTP_CLASS": http_class})

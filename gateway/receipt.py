@@ -1,0 +1,75 @@
+"""Receipts (serve.md "The receipt", gate.md §5): what every /v1 answer carries as `bankml_receipt`.
+
+With one, a client can check that the text it shows is the text this gateway produced from the
+verified file, for this request: `response_sha256` is the sha256 of the answer text exactly as sent
+(the message content, or the streamed deltas joined), `request_sha256` of the raw request body.
+The times are whole milliseconds (the original's `as_millis`), counted from the moment the request
+was handed to the engine queue; `ttft_ms` is measured for non-streamed answers too. Receipts are not
+signed: they prove integrity between a client and its own bankml serve, not to a third party.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass, field
+
+from bankml import __version__, jstr
+from bankml.verify import Verified
+
+
+@dataclass
+class Tally:
+    """What a receipt is made from: the request's hash, the clock, the answer's text and counts."""
+
+    request_sha256: str
+    t0: float = field(default_factory=time.perf_counter)
+    ttft_ms: int | None = None
+    pieces: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def start(cls, body: bytes) -> Tally:
+        return cls(hashlib.sha256(body).hexdigest())
+
+    def token(self) -> None:
+        """A token came out of the engine (the first one sets the time to first token)."""
+        if self.ttft_ms is None:
+            self.ttft_ms = int((time.perf_counter() - self.t0) * 1e3)
+
+    def sent(self, text: str) -> None:
+        """`text` went to the client as part of the answer."""
+        if text:
+            self.pieces.append(text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def receipt(self, engine: str, verified: Verified) -> dict:
+        return {
+            "bankml": __version__,
+            "engine": engine,
+            "model_sha256": verified.model_sha256,
+            "guard": "play",
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_ms": self.ttft_ms,
+            "wall_ms": int((time.perf_counter() - self.t0) * 1e3),
+            "response_sha256": text_sha256(self.text),
+            "request_sha256": self.request_sha256,
+            "signed": False,
+        }
+
+    def receipt_json(self, engine: str, verified: Verified) -> str:
+        return jstr.dumps(self.receipt(engine, verified))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_sha256(text: str) -> str:
+    """sha256 of `text` as it goes on the wire: UTF-8, a lone surrogate written as U+FFFD (as jstr does)."""
+    return hashlib.sha256(_SURROGATE.sub("\ufffd", text).encode("utf-8")).hexdigest()

@@ -1,0 +1,158 @@
+"""The served model's life behind the gate: resident, checked before each answer, verified again.
+
+serving.md §2 and gate.md §1 (native), with one model (the startup one; the registry of other pins is
+a later issue):
+- the startup model was gated by bankml.serve before anything else; it is loaded and warmed on the
+  engine thread before any socket is bound (`load_startup`);
+- before each /v1 answer (`acquire`) the file's identity (device, inode, size, mtime) is compared with
+  what was verified. A change answers 503 "<file> changed since bankml verified it: unloaded, and
+  refused; the next request verifies it again", drops the engine, and issues no receipt;
+- with no model resident, `acquire` runs the whole gate again (guard, then the sha256 pin against the
+  same FORK.json text): a refusal is a 400 "refuse: <why>", a file changing while it is hashed a 503,
+  an unreadable file or a failed load a 500. A file put back as it was verifies and serves again.
+- llama-server's routes use the resident model as it is, or acquire the startup one (`current`).
+An asyncio lock orders checks, verifications and loads; generations run outside it, on the engine
+thread, which also orders the unload and the load after whatever it is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from bankml import __version__
+from bankml.serve import GatedModel, Refusal, gate_model
+from bankml.verify import FileIdentity, Verified
+from gateway.engine_client import EngineClient
+from gateway.errors import ApiError
+from gateway.native_model import NativeModel
+
+log = logging.getLogger("bankml.gateway")
+
+# Loader: the verified canonical path -> (engine, a few words on the backend). Runs on the engine thread.
+Loader = Callable[[str], tuple[Any, str]]
+
+# serving.md §2: a name without one of these weight-type suffixes also names the pin, if only one has it
+_TYPE_SUFFIXES = ("-f16", "-bf16", "-f32", "-q1_0", "-q2_0_g64", "-q2_0", "-q8_0", "-q4_k_m", "-q4_0")
+
+
+def model_name(text: str) -> str:
+    """A pin's name: the file stem, lower-cased, `.gguf` dropped (any path before it ignored)."""
+    name = text.strip().rsplit("/", 1)[-1].lower()
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def base_name(name: str) -> str:
+    return next((name[: -len(s)] for s in _TYPE_SUFFIXES if name.endswith(s)), name)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A model behind the gate, as a request holds it."""
+
+    name: str
+    file_name: str  # the basename as given: /v1/models' id and the answers' "model"
+    path: str  # canonical, as hashed
+    verified: Verified
+    identity: FileIdentity
+    hashed_at: int  # unix seconds, when it was loaded
+    engine: str  # the receipt's "engine": the inference backend, not the guard rule set
+    model: NativeModel
+    compile_s: float
+
+
+class Residency:
+    def __init__(self, gated: GatedModel, client: EngineClient, loader: Loader):
+        self.gated = gated
+        self.given = gated.given or gated.path
+        self.file_name = os.path.basename(self.given)
+        self.name = model_name(self.file_name)
+        self.client = client
+        self.loader = loader
+        self.resident: Loaded | None = None
+        self.last: Loaded | None = None  # the most recent verification, for GET /bankml
+        self._lock = asyncio.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def resolve(self, requested: str | None) -> None:
+        """A /v1 request's `model`: absent or empty is the startup model; otherwise it must name it."""
+        m = (requested or "").strip()
+        if not m:
+            return
+        n = model_name(m.removesuffix(":latest"))
+        if n != self.name and base_name(self.name) != n:
+            raise ApiError(404, f"model '{m}' not found: bankml serves pinned models only ({', '.join(self.names)})")
+
+    # --- loading (on the engine thread) ----------------------------------------------------------
+
+    def _load_on_thread(self, gated: GatedModel) -> Loaded:
+        thread = self.client.thread
+        thread.set_engine(None)  # one resident model: the old one goes before the new one is read
+        engine, backend = self.loader(gated.path)
+        thread.set_engine(engine)
+        compile_s = float(engine.warmup())
+        return Loaded(self.name, self.file_name, gated.path, gated.verified, gated.identity, int(time.time()),
+                      f"bankML {__version__} native: its own forward pass ({backend})",
+                      NativeModel.of(engine, gated.path), compile_s)
+
+    def load_startup(self) -> Loaded:
+        """Load and warm the startup model; blocks (before the event loop runs). Raises what the load raises."""
+        loaded = self.client.thread.call(partial(self._load_on_thread, self.gated)).result()
+        self.resident = self.last = loaded
+        return loaded
+
+    # --- per request ---------------------------------------------------------------------------
+
+    def peek(self) -> Loaded | None:
+        return self.resident
+
+    async def current(self) -> Loaded:
+        """llama-server's routes: the resident model as it is, or the startup model acquired."""
+        return self.resident or await self.acquire()
+
+    async def acquire(self) -> Loaded:
+        """The model for one answer, its file checked against what was verified (see the module doc)."""
+        async with self._lock:
+            r = self.resident
+            if r is not None:
+                try:
+                    now = FileIdentity.of(r.path)
+                except OSError:
+                    now = None
+                if now == r.identity:
+                    return r
+                self.resident = None
+                self.client.thread.call(partial(self.client.thread.set_engine, None))  # after what is running
+                log.warning("%s changed since it was verified: unloaded", r.path)
+                raise ApiError(503, f"{r.file_name} changed since bankml verified it: unloaded, and refused; "
+                                    "the next request verifies it again")
+            return await self._verify_and_load()
+
+    async def _verify_and_load(self) -> Loaded:
+        try:
+            FileIdentity.of(self.given)
+        except OSError as e:
+            raise ApiError(500, f"{self.given}: {e.strerror or e}") from None
+        try:
+            gated = await asyncio.to_thread(gate_model, self.given, self.gated.fork_text, self.gated.verified.engine)
+        except Refusal as e:
+            why = str(e)
+            if why.endswith("changed while it was being hashed: refused"):
+                raise ApiError(503, why) from None
+            raise ApiError(400, f"refuse: {why}") from None
+        log.info("%s verified again (sha256 %s); loading it", gated.path, gated.verified.model_sha256)
+        try:
+            loaded = await self.client.call(partial(self._load_on_thread, gated))
+        except Exception as e:
+            raise ApiError(500, f"cannot load {gated.path}: {e}") from None
+        self.resident = self.last = loaded
+        return loaded

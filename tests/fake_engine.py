@@ -1,0 +1,80 @@
+"""A fake engine with the real one's surface, for the gateway's protocol tests (fast, no JAX).
+
+Its tokenizer is one token per UTF-8 byte. What it generates is steered by the last words of the
+prompt, so one server serves every test:
+- "LONG": 5000 pieces (a stream a client can walk away from); "HUGE": 5000 pieces of 8 KiB;
+- "FAIL": raises after 3 pieces (an engine failure mid-answer);
+- "DIE": raises a BaseException that kills the engine thread;
+- otherwise the fixed REPLY, piece by piece, each step `step_s` long; `max_tokens` gives "length".
+Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
+<n> steps`, so a test can see that an abandoned stream really stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+from model.messages import FinishReason, SamplingParams, StepOutput
+
+REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
+REPLY = "".join(REPLY_PIECES)
+
+
+class EngineDeath(BaseException):
+    pass
+
+
+class FakeTokenizer:
+    bos_token = ""
+    eos_token = "<|im_end|>"
+    add_bos = False
+    add_eos = False
+
+    def encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class FakeEngine:
+    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002):
+        self.tokenizer = FakeTokenizer()
+        self.n_ctx = n_ctx
+        self.step_s = step_s
+
+    def warmup(self) -> float:
+        return 0.25
+
+    def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
+                 request_id: str = "generate") -> Iterator[StepOutput]:
+        params = params or SamplingParams()
+        tail = bytes(prompt_tokens[-80:]).decode("utf-8", "replace")
+        if "DIE" in tail:
+            raise EngineDeath("the fake engine thread was told to die")
+        pieces = ["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail else REPLY_PIECES
+        n, how = 0, "aborted"
+        try:
+            for i, piece in enumerate(pieces):
+                if "FAIL" in tail and i == 3:
+                    how = "failed"
+                    raise RuntimeError("the fake engine failed on purpose")
+                time.sleep(self.step_s)
+                n += 1
+                last = i == len(pieces) - 1
+                length = params.max_tokens > 0 and n >= params.max_tokens
+                finish = FinishReason.STOP if last else FinishReason.LENGTH if length else None
+                if finish is not None:
+                    how = finish.value
+                yield StepOutput(token=1000 + i, text=piece, finish_reason=finish,
+                                 prompt_tokens=len(prompt_tokens), completion_tokens=n)
+                if finish is not None:
+                    return
+        finally:
+            print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
+
+
+def fake_loader(n_ctx: int = 4096, step_s: float = 0.002):
+    def load(path: str):
+        return FakeEngine(n_ctx, step_s), "a fake engine for tests"
+
+    return load

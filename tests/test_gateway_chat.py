@@ -1,0 +1,333 @@
+"""/v1/chat/completions and llama-server's routes over the fake engine: shapes, receipts, failures.
+
+The `openai` client is used unchanged; the raw bytes it sent and received are checked too. The gate
+(guard, pin, the per-request identity check) is the real one, on a tiny GGUF pinned for the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from fake_engine import REPLY
+from gateway_helpers import FakeServer, connect, exchange, request_bytes, split_response, tiny_model
+
+from model.chat_template import render_chat
+
+pytestmark = pytest.mark.timeout(120)
+
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+def sha(data: str | bytes) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="module")
+def server(pinned):
+    s = FakeServer(*pinned)
+    yield s
+    s.stop()
+
+
+def pinned_sha(fork) -> str:
+    return json.loads(fork.read_text())["files"][0]["sha256"]
+
+
+class Recorder:
+    """An httpx client for `openai` that keeps the raw request bodies it sent."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+        self.http = httpx.Client(event_hooks={"request": [lambda r: self.bodies.append(r.read())]}, timeout=30)
+
+
+def client(server, rec: Recorder | None = None, upstream: bool = False) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url("/v1", upstream), api_key="none", max_retries=0,
+                         http_client=rec.http if rec else None)
+
+
+def post(server, path: str, body, upstream: bool = False) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url(path, upstream), content=content, headers={"Content-Type": "application/json"},
+                      timeout=30)
+
+
+def sse_events(raw: str) -> list[str]:
+    return [e.removeprefix("data: ") for e in raw.split("\n\n") if e]
+
+
+# --- the openai client -----------------------------------------------------------------------------
+
+
+def test_openai_client_plain_and_streamed_agree_and_their_receipts_check_out(server, pinned):
+    rec = Recorder()
+    c = client(server, rec)
+    plain = c.chat.completions.create(model="Tiny-Model.Q8_0.gguf", messages=HI)
+    text = plain.choices[0].message.content
+    assert text == REPLY and plain.choices[0].finish_reason == "stop"
+    assert plain.model == "Tiny-Model.Q8_0.gguf" and plain.object == "chat.completion"
+    assert plain.usage.completion_tokens == 9 and plain.usage.total_tokens == plain.usage.prompt_tokens + 9
+
+    receipt = plain.model_extra["bankml_receipt"]
+    assert list(receipt) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
+                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+    assert receipt["response_sha256"] == sha(text)
+    assert receipt["request_sha256"] == sha(rec.bodies[-1])
+    assert receipt["model_sha256"] == pinned_sha(pinned[1])
+    assert (receipt["guard"], receipt["signed"]) == ("play", False)
+    assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (plain.usage.prompt_tokens, 9)
+    assert isinstance(receipt["ttft_ms"], int) and 0 <= receipt["ttft_ms"] <= receipt["wall_ms"]
+    timings = plain.model_extra["timings"]
+    assert list(timings) == ["cache_n", "prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
+                             "predicted_ms", "predicted_per_second"]
+    assert timings["predicted_n"] == 9 and timings["prompt_n"] == plain.usage.prompt_tokens
+
+    pieces, streamed_receipt, finish, usage = [], None, None, None
+    for chunk in c.chat.completions.create(model="tiny-model.q8_0", messages=HI, stream=True):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        elif chunk.model_extra and "bankml_receipt" in chunk.model_extra:
+            streamed_receipt = chunk.model_extra["bankml_receipt"]
+    assert "".join(pieces) == text and finish == "stop" and usage.completion_tokens == 9
+    assert streamed_receipt["response_sha256"] == sha(text)
+    assert streamed_receipt["request_sha256"] == sha(rec.bodies[-1]) != receipt["request_sha256"]
+
+
+def test_the_stream_on_the_wire(server):
+    body = json.dumps({"messages": HI, "stream": True}).encode()
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+    assert r.headers["connection"] == "close"
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    receipt = json.loads(events[-2])
+    assert list(receipt) == ["bankml_receipt"]
+    final = json.loads(events[-3])
+    assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
+    assert final["object"] == "chat.completion.chunk" and set(final["timings"]) == {"cache_n"}
+    chunks = [json.loads(e) for e in events[:-3]]
+    assert all(list(c) == ["choices", "created", "model", "object"] for c in chunks)
+    assert all(c["choices"][0]["finish_reason"] is None and list(c["choices"][0]["delta"]) == ["content"]
+               for c in chunks)  # no role delta without logprobs
+    sent = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+    assert receipt["bankml_receipt"]["response_sha256"] == sha(sent)
+    assert receipt["bankml_receipt"]["request_sha256"] == sha(body)
+    # the original's JSON style: ", " and ": " separators, non-ASCII written raw
+    assert '"delta": {"content": " Ça"}' in r.text and '"signed": false}' in r.text
+
+
+def test_the_engine_address_serves_chat_too(server):
+    out = client(server, upstream=True).chat.completions.create(model="tiny-model.q8_0", messages=HI)
+    assert out.choices[0].message.content == REPLY
+
+
+def test_max_tokens_stops_with_length(server):
+    out = client(server).chat.completions.create(model="tiny-model.q8_0", messages=HI, max_tokens=3)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    assert out.choices[0].message.content == "Savante knows"
+    r = post(server, "/v1/chat/completions", {"messages": HI, "n_predict": 2})
+    assert r.json()["choices"][0]["message"]["content"] == "Savante"
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "status", "message"), [
+    (b"{not json", 400, "body is not JSON"),
+    (b"[1, 2]", 400, "body is not a JSON object"),
+    ({"messages": "hi"}, 400, "'messages' is required and must be an array"),
+    ({"messages": HI, "top_logprobs": 3}, 400, "top_logprobs requires logprobs to be set to true"),
+    ({"messages": HI, "stop": ["."]}, 400, "'stop' is not supported by bankml serve --native yet"),
+    ({"messages": HI, "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ({"messages": HI, "model": "gpt-4"}, 404,
+     "model 'gpt-4' not found: bankml serves pinned models only (tiny-model.q8_0)"),
+])
+def test_bad_requests_are_refused_in_llama_servers_error_shape(server, body, status, message):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == status
+    assert r.json() == {"error": {"code": status, "message": message,
+                                  "type": "invalid_request_error" if status == 400 else "not_found_error"}}
+
+
+def test_neutral_values_of_unsupported_fields_pass(server):
+    r = post(server, "/v1/chat/completions", {"messages": HI, "stop": [], "n": 1, "logprobs": False,
+                                              "presence_penalty": 0, "response_format": {"type": "text"}})
+    assert r.status_code == 200
+
+
+def test_a_prompt_that_does_not_fit_is_llama_servers_400(pinned):
+    s = FakeServer(*pinned, ctx=64)
+    try:
+        messages = [{"role": "user", "content": "x" * 100}]
+        n = len(render_chat(None, messages).encode())
+        r = post(s, "/v1/chat/completions", {"messages": messages})
+        assert r.status_code == 400
+        assert r.text == (f'{{"error": {{"code": 400, "message": "request ({n} tokens) exceeds the available context '
+                          f'size (64 tokens), try increasing it", "type": "exceed_context_size_error", '
+                          f'"n_prompt_tokens": {n}, "n_ctx": 64}}}}')
+        with pytest.raises(openai.BadRequestError, match="exceeds the available context size"):
+            client(s).chat.completions.create(model="tiny-model.q8_0", messages=messages)
+    finally:
+        s.stop()
+
+
+# --- engine failures and clients that leave ---------------------------------------------------------
+
+
+def test_an_engine_failure_is_a_500_with_the_reason_and_no_receipt(server):
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "FAIL"}]})
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "RuntimeError: the fake engine failed on purpose"
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "FAIL"}], "stream": True})
+    events = sse_events(r.text)
+    assert r.status_code == 200 and json.loads(events[-1])["error"]["message"] == "RuntimeError: the fake engine failed on purpose"
+    assert "bankml_receipt" not in r.text and "[DONE]" not in r.text
+    assert post(server, "/v1/chat/completions", {"messages": HI}).status_code == 200  # and it goes on
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(pinned):
+    s = FakeServer(*pinned, step_ms=5)  # the LONG answer would take 25 s
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "LONG"}], "stream": True}).encode()
+        with connect(s.port) as sock:
+            sock.sendall(request_bytes("POST", "/v1/chat/completions", body=body))
+            seen = b""
+            while seen.count(b"tick") < 3:
+                seen += sock.recv(4096)
+        t0 = time.monotonic()
+        r = post(s, "/v1/chat/completions", {"messages": HI})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
+        assert time.monotonic() - t0 < 5
+        m = s.wait_for_log(r"fake-engine: \S+ aborted after (\d+) steps")
+        assert m is not None and int(m.group(1)) < 1000
+    finally:
+        s.stop()
+
+
+def test_a_dead_engine_thread_is_a_503_that_says_why(pinned):
+    s = FakeServer(*pinned)
+    try:
+        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "DIE"}]})
+        assert r.status_code == 503 and "the fake engine thread was told to die" in r.json()["error"]["message"]
+        r = post(s, "/v1/chat/completions", {"messages": HI})
+        assert r.status_code == 503 and r.json()["error"]["message"].startswith("the engine thread stopped")
+        assert httpx.get(s.url("/health")).status_code == 503
+    finally:
+        s.stop()
+
+
+# --- the per-request identity check ------------------------------------------------------------------
+
+
+def test_a_model_file_changed_under_the_server_is_503_without_receipt_then_verified_again(tmp_path):
+    model, fork = tiny_model(tmp_path)
+    original = model.read_bytes()
+    s = FakeServer(model, fork)
+    try:
+        assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 200
+        hashed_at = httpx.get(s.url("/bankml")).json()["hashed_at"]
+
+        with open(model, "ab") as f:  # an in-place change: same inode, new size and mtime
+            f.write(b"\0")
+        for stream in (False, True):
+            if stream:  # the first 503 unloaded it; change it again so the next one is a 503 too
+                assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 400
+                model.write_bytes(original)
+                assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 200
+                with open(model, "ab") as f:
+                    f.write(b"\0")
+            r = post(s, "/v1/chat/completions", {"messages": HI, "stream": stream})
+            assert r.status_code == 503
+            assert r.json()["error"]["message"] == ("Tiny-Model.Q8_0.gguf changed since bankml verified it: unloaded, "
+                                                    "and refused; the next request verifies it again")
+            assert "bankml_receipt" not in r.text
+        assert httpx.get(s.url("/bankml")).json()["resident"] is None
+
+        # the next request verifies it again: the changed file fails its pin ...
+        r = post(s, "/v1/chat/completions", {"messages": HI})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("refuse: Tiny-Model.Q8_0.gguf sha256 ")
+        assert "!= pinned" in r.text and "bankml_receipt" not in r.text
+        # ... and the file put back passes, loads and answers with a receipt again
+        time.sleep(1.1)
+        model.write_bytes(original)
+        r = post(s, "/v1/chat/completions", {"messages": HI})
+        assert r.status_code == 200 and r.json()["bankml_receipt"]["model_sha256"] == pinned_sha(fork)
+        status = httpx.get(s.url("/bankml")).json()
+        assert status["resident"] == "tiny-model.q8_0" and status["hashed_at"] > hashed_at
+    finally:
+        s.stop()
+
+
+def test_a_replaced_file_is_seen_too(tmp_path):
+    model, fork = tiny_model(tmp_path)
+    s = FakeServer(model, fork)
+    try:
+        replacement = tmp_path / "new.gguf"
+        replacement.write_bytes(model.read_bytes())
+        os.replace(replacement, model)  # same bytes, another inode
+        r = post(s, "/v1/chat/completions", {"messages": HI})
+        assert r.status_code == 503 and "changed since bankml verified it" in r.text
+        r = post(s, "/v1/chat/completions", {"messages": HI})  # same bytes: the pin still holds
+        assert r.status_code == 200 and "bankml_receipt" in r.json()
+    finally:
+        s.stop()
+
+
+# --- llama-server's routes and bankML's own ------------------------------------------------------
+
+
+def test_llama_server_routes(server, pinned):
+    model, fork = pinned
+    for upstream in (False, True):
+        assert httpx.get(server.url("/health", upstream)).text == '{"status": "ok"}'
+        models = httpx.get(server.url("/v1/models", upstream)).json()
+        assert models == {"object": "list", "data": [{"id": "Tiny-Model.Q8_0.gguf", "object": "model",
+                                                      "owned_by": "bankML"}]}
+        props = httpx.get(server.url("/props", upstream)).json()
+        assert props["model_path"] == str(model.resolve()) and props["n_ctx"] == 4096
+        assert props["default_generation_settings"]["params"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
+                                                                  "min_p": 0.05}
+        assert props["build_info"].startswith("bankML ") and props["build_info"].endswith(" native")
+    assert post(server, "/tokenize", {"content": "hé"}).text == '{"tokens": [104,195,169]}'
+    prompt = post(server, "/apply-template", {"messages": HI}).json()["prompt"]
+    assert prompt == render_chat(None, HI)
+    assert post(server, "/apply-template", {"nothing": 1}).status_code == 400
+
+
+def test_bankml_says_what_was_verified(server, pinned):
+    model, fork = pinned
+    r = httpx.get(server.url("/bankml"))
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models"]
+    assert f'"model_sha256": "{pinned_sha(fork)}"' in r.text and '"verdict": "play"' in r.text
+    assert body["model"] == str(model.resolve()) and body["upstream"] == f"127.0.0.1:{server.upstream_port}"
+    assert body["resident"] == "tiny-model.q8_0" and body["models"] == ["tiny-model.q8_0"]
+    assert body["engine"].startswith("bankML ") and abs(body["hashed_at"] - time.time()) < 3600
+
+
+def test_usage_and_metrics_answer_with_what_exists(server):
+    post(server, "/v1/chat/completions", {"messages": HI})
+    metrics = httpx.get(server.url("/bankml/metrics")).json()
+    assert metrics["kept"] >= 1 and metrics["records"][-1]["completion_tokens"] == 9
+    assert metrics["records"][-1]["model"] == "Tiny-Model.Q8_0" and metrics["keep"] == 256
+    usage = httpx.get(server.url("/bankml/usage")).json()
+    assert usage["rss_bytes"] > 0 and usage["processes"][0]["name"] == "bankml serve"
+
+
+def test_a_foreign_host_cannot_reach_bankml(server):
+    status, _, _ = split_response(exchange(server.port, request_bytes("GET", "/bankml", host="evil.example")))
+    assert status == 403
