@@ -1,0 +1,93 @@
+"""SentencePiece-style BPE (`tokenizer.ggml.model = "llama"`), as llama.cpp's llm_tokenizer_spm_session.
+
+The fragment (spaces already escaped to U+2581) starts as one symbol per code point. Every adjacent
+pair whose concatenation is a token is queued with that token's score; the highest score merges first,
+the leftmost on ties, and each merge queues the pairs it creates. What is left are tokens, except single
+characters the vocabulary lacks, which fall back to `<0xXX>` byte tokens. Unlike byte-level BPE there
+are no words: merges run over the whole fragment.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+
+class SpmError(ValueError):
+    """A byte has no `<0xXX>` token and no single-byte token: llama.cpp throws here too."""
+
+
+class SpmModel:
+    _CACHE_MAX = 1 << 14  # fragments (mostly lines: a chat prompt repeats its earlier turns)
+
+    def __init__(self, token_to_id: Mapping[str, int], scores: Sequence[float]):
+        self.token_to_id = token_to_id
+        self.scores = scores
+        self._byte_ids: dict[int, int] = {}
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def byte_to_token(self, byte: int) -> int:
+        """llama_vocab::byte_to_token for SPM: `<0xXX>`, else the byte itself as a one-byte token."""
+        tid = self._byte_ids.get(byte)
+        if tid is None:
+            tid = self.token_to_id.get(f"<0x{byte:02X}>")
+            if tid is None:
+                tid = self.token_to_id.get(bytes([byte]).decode("utf-8", "surrogateescape"))
+            if tid is None:
+                raise SpmError(f"the vocabulary has no token for byte 0x{byte:02X}")
+            self._byte_ids[byte] = tid
+        return tid
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = tuple(self._merge(text)) if text else ()
+            if len(self._cache) >= self._CACHE_MAX:
+                self._cache.clear()
+            self._cache[text] = ids
+        return list(ids)
+
+    def _merge(self, text: str) -> list[int]:
+        token_to_id, scores = self.token_to_id, self.scores
+        texts: list[str] = list(text)
+        n = len(texts)
+        nxt = list(range(1, n)) + [-1]
+        prv = list(range(-1, n - 1))
+        heap: list[tuple[float, int, int, int]] = []
+
+        def push(left: int, right: int) -> None:
+            if left == -1 or right == -1:
+                return
+            merged = texts[left] + texts[right]
+            tid = token_to_id.get(merged)
+            if tid is not None:
+                # llama.cpp's queue: highest score on top, then the lowest left index.
+                heapq.heappush(heap, (-float(scores[tid]), left, right, len(merged)))
+
+        for i in range(n - 1):
+            push(i, i + 1)
+        while heap:
+            _, left, right, size = heapq.heappop(heap)
+            a, b = texts[left], texts[right]
+            if not a or not b or len(a) + len(b) != size:
+                continue  # outdated: one side was merged since this pair was queued
+            texts[left] = a + b
+            texts[right] = ""
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prv[nxt[right]] = left
+            push(prv[left], left)
+            push(left, nxt[left])
+
+        out: list[int] = []
+        i = 0
+        while i != -1:
+            sym = texts[i]
+            tid = token_to_id.get(sym)
+            if tid is not None:
+                out.append(tid)
+            else:
+                # Only a single unmerged character can miss: every merge produced a token.
+                out.extend(self.byte_to_token(b) for b in sym.encode("utf-8", "surrogateescape"))
+            i = nxt[i]
+        return out
