@@ -1,0 +1,150 @@
+"""The forward pass: a batch of token rows through every layer, attending to the KV cache.
+
+One function serves prefill and decode. Row b of `tokens [B, T]` continues cache slot `slot0 + b`
+from position `cache.lengths[slot0 + b]`; its first `n_new[b]` tokens are real (0: an inactive slot,
+computed and thrown away so the shapes never change). Layers run under `lax.scan` over the stacked
+weights; per-layer differences (gemma3's sliding window and rope base) are scanned arrays. Each layer
+attends to the cached cells [0, window) of its slot -- `window` is a static power-of-two bucket the
+caller picks above the longest prefix -- plus the new tokens, causally; all new K/V are scattered
+into the cache in one write at the end. The float rules follow llama.cpp's graphs (src/models/
+llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32; we are not bit-identical (spec README §1).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from model.config import Config
+from model.kvcache import KVCache
+from model.rope import apply_rope, rope_tables
+from model.weights import Layer, Weights
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    # ggml_rms_norm then ggml_mul: x / sqrt(mean(x^2) + eps) * w (gemma's +1 is folded into w by the converter)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,oi->...o", x, w)  # w keeps GGUF's [out, in]
+    return y if b is None else y + b
+
+
+def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config: Config):
+    """Scaled dot-product attention over cached cells plus the new tokens (causal).
+
+    q [B, T, H, Dh]; k_new, v_new [B, T, Hkv, Dh]; k_old, v_old [B, W, Hkv, Dh] or None (W = 0);
+    starts [B] (cells valid below it); positions [B, T]. Returns [B, T, H*Dh].
+    """
+    b, t, _, dh = q.shape
+    qg = q.reshape(b, t, config.n_head_kv, config.n_group, dh) * config.attn_scale  # [B, T, K, G, Dh]
+
+    # Key s of the new block sees query t iff s <= t; with a sliding window also t - s < n_swa
+    # (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked iff p_q - p_k >= n_swa).
+    t_idx = jnp.arange(t)
+    new_ok = t_idx[None, :] <= t_idx[:, None]  # [T, S]
+    if config.n_swa:
+        new_ok &= ~is_swa | (t_idx[:, None] - t_idx[None, :] < config.n_swa)
+    scores = [jnp.where(new_ok, jnp.einsum("btkgd,bskd->bkgts", qg, k_new), -jnp.inf)]  # [B, K, G, T, T]
+    if k_old is not None:
+        w_idx = jnp.arange(k_old.shape[1])
+        old_ok = w_idx[None, None, :] < starts[:, None, None]  # [B, 1, W]
+        if config.n_swa:
+            old_ok = old_ok & (~is_swa | (positions[:, :, None] - w_idx[None, None, :] < config.n_swa))  # [B, T, W]
+        old = jnp.einsum("btkgd,bwkd->bkgtw", qg, k_old)  # [B, K, G, T, W]
+        scores.insert(0, jnp.where(old_ok[:, None, None], old, -jnp.inf))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -t:], v_new)
+    if k_old is not None:
+        out = out + jnp.einsum("bkgtw,bwkd->btkgd", probs[..., :-t], v_old)
+    return out.reshape(b, t, config.n_head * dh)
+
+
+def _layer(x, lw: Layer, is_swa, k_old, v_old, starts, positions, ropes, config: Config):
+    """One block; returns (x_out, k_new, v_new). x [B, T, D]."""
+    b, t, _ = x.shape
+    dh, eps = config.head_dim, config.norm_eps
+    h = rms_norm(x, lw.attn_norm, eps)
+    q = _linear(h, lw.attn_q, lw.attn_q_bias).reshape(b, t, config.n_head, dh)
+    k = _linear(h, lw.attn_k, lw.attn_k_bias).reshape(b, t, config.n_head_kv, dh)
+    v = _linear(h, lw.attn_v, lw.attn_v_bias).reshape(b, t, config.n_head_kv, dh)
+    if config.qk_norm:
+        q = rms_norm(q, lw.attn_q_norm, eps)
+        k = rms_norm(k, lw.attn_k_norm, eps)
+    (cos_g, sin_g), (cos_l, sin_l) = ropes
+    if cos_g is not cos_l:
+        cos, sin = jnp.where(is_swa, cos_l, cos_g), jnp.where(is_swa, sin_l, sin_g)
+    else:
+        cos, sin = cos_g, sin_g
+    q = apply_rope(q, cos, sin, config.rope_neox)
+    k = apply_rope(k, cos, sin, config.rope_neox)
+
+    attn = _attention(q, k, v, k_old, v_old, starts, positions, is_swa, config)
+    out = _linear(attn, lw.attn_output, lw.attn_output_bias)
+    if config.post_norms:
+        out = rms_norm(out, lw.post_attention_norm, eps)
+    x = x + out
+
+    h = rms_norm(x, lw.ffn_norm, eps)
+    gate = _linear(h, lw.ffn_gate)
+    act = jax.nn.gelu(gate, approximate=True) if config.ffn_gelu else jax.nn.silu(gate)
+    out = _linear(act * _linear(h, lw.ffn_up), lw.ffn_down)
+    if config.post_norms:
+        out = rms_norm(out, lw.post_ffw_norm, eps)
+    return x + out, k, v
+
+
+def output_logits(weights: Weights, x: jax.Array, config: Config) -> jax.Array:
+    """Final norm and LM head: x [..., D] -> logits [..., V]."""
+    x = rms_norm(x, weights.output_norm, config.norm_eps)
+    logits = _linear(x, weights.token_embd if weights.output is None else weights.output)
+    if config.final_logit_softcap > 0:
+        cap = config.final_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+@partial(jax.jit, static_argnames=("config", "window", "all_logits"), donate_argnames=("cache",))
+def forward(weights: Weights, cache: KVCache, tokens: jax.Array, slot0: jax.Array, n_new: jax.Array, *,
+            config: Config, window: int, all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+    """Run `tokens [B, T]` for slots slot0..slot0+B-1 and append their real tokens to the cache.
+
+    window: attend to cached cells [0, window) of each slot; must cover every row's start (0: the rows
+    start at position 0 and the cache is not read). Returns (logits, cache): logits [B, V] at each
+    row's last real token, or [B, T, V] when `all_logits`.
+    """
+    b, t = tokens.shape
+    starts = lax.dynamic_slice_in_dim(cache.lengths, slot0, b)  # [B]
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    x = weights.token_embd[tokens] * jnp.float32(config.embd_scale)  # [B, T, D]
+    ropes = rope_tables(config, positions, weights.rope_freqs)
+    is_swa = jnp.asarray(config.swa_layers, dtype=bool)
+
+    def body(x, xs):
+        lw, layer_swa, il = xs
+        k_old = v_old = None
+        if window:
+            at = (il, slot0, 0, 0, 0)
+            size = (1, b, window, config.n_head_kv, config.head_dim)
+            k_old, v_old = lax.dynamic_slice(cache.k, at, size)[0], lax.dynamic_slice(cache.v, at, size)[0]
+        x, k, v = _layer(x, lw, layer_swa, k_old, v_old, starts, positions, ropes, config)
+        return x, (k, v)
+
+    x, (k_new, v_new) = lax.scan(body, x, (weights.layers, is_swa, jnp.arange(config.n_layer)))
+
+    # One scatter for all layers: row b's token j goes to cell starts[b] + j of its slot. Cells past the
+    # buffer (padding of a last chunk) are dropped; padding inside it lies past the new length.
+    slots = (slot0 + jnp.arange(b))[:, None]  # [B, 1]
+    k_all = cache.k.at[:, slots, positions].set(k_new.astype(cache.k.dtype), mode="drop")
+    v_all = cache.v.at[:, slots, positions].set(v_new.astype(cache.v.dtype), mode="drop")
+    lengths = lax.dynamic_update_slice_in_dim(cache.lengths, starts + n_new, slot0, axis=0)
+    cache = KVCache(k_all, v_all, lengths)
+
+    if all_logits:
+        return output_logits(weights, x, config), cache
+    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
+    return output_logits(weights, last, config), cache

@@ -1,0 +1,48 @@
+"""The KV cache: one fixed-shape buffer for every slot, so neither prefill nor decode ever recompiles.
+
+k, v: [n_layer, n_slots, S, Hkv, Dh] f32, where S = n_ctx + `headroom` (a padded prefill chunk may
+write past n_ctx; those cells are never read). `lengths[slot]` counts the valid positions: a cell at
+position p of a slot is valid iff p < lengths[slot]. The forward pass reads cells with `lengths` as the
+mask and writes new cells in one scatter at the end of a step; callers donate the cache to the jitted
+step so the write is in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from model.config import Config
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    k: jax.Array  # [L, B_slots, S, Hkv, Dh]
+    v: jax.Array  # [L, B_slots, S, Hkv, Dh]
+    lengths: jax.Array  # [B_slots] int32
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: Config, n_slots: int, n_ctx: int, headroom: int = 0,
+               dtype: jnp.dtype = jnp.float32) -> KVCache:
+    shape = (config.n_layer, n_slots, n_ctx + headroom, config.n_head_kv, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((n_slots,), jnp.int32))
+
+
+def cache_bytes(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float32) -> int:
+    return 2 * config.n_layer * n_slots * n_ctx * config.n_head_kv * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def set_length(cache: KVCache, slot: int | jax.Array, length: int | jax.Array) -> KVCache:
+    """Truncate (or reset) one slot: cells at positions >= length become invalid."""
+    return KVCache(cache.k, cache.v, cache.lengths.at[slot].set(length))

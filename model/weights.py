@@ -1,0 +1,181 @@
+"""GGUF -> `Weights`: the model's tensors, dequantized once at load, stacked per layer for `lax.scan`.
+
+Precondition: the file has passed `bankml.verify.verify` (guard + pin). gguf-py's reader is not safe
+on a crafted header, so `load_weights` refuses to open a file unless the caller says it was verified.
+
+Flow: `GGUFReader` memory-maps the file -> `Config.from_gguf` reads the keys -> every tensor is
+checked against the names this architecture uses (anything unexpected is refused, never ignored) and
+against the supported types -> each tensor is dequantized to f32 into its slot of a stacked
+[n_layer, ...] array (f32: XLA:CPU matmuls on narrow types are 10x slower, research/kernels.md §3c).
+Matrices keep GGUF's row layout, [out, in], and GGUF's tensor names become the field names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels.dequant import check_supported, dequantize
+from model.config import Config, UnsupportedModel
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Layer:
+    """One transformer block; under `Weights.layers` every field is stacked: [n_layer, ...]."""
+
+    attn_norm: Array  # [D]
+    attn_q: Array  # [H*Dh, D]
+    attn_k: Array  # [Hkv*Dh, D]
+    attn_v: Array  # [Hkv*Dh, D]
+    attn_output: Array  # [D, H*Dh]
+    ffn_norm: Array  # [D]
+    ffn_gate: Array  # [F, D]
+    ffn_up: Array  # [F, D]
+    ffn_down: Array  # [D, F]
+    attn_q_bias: Array | None = None  # qwen2 (optional elsewhere)
+    attn_k_bias: Array | None = None
+    attn_v_bias: Array | None = None
+    attn_output_bias: Array | None = None
+    attn_q_norm: Array | None = None  # [Dh] qwen3, gemma3
+    attn_k_norm: Array | None = None
+    post_attention_norm: Array | None = None  # [D] gemma3
+    post_ffw_norm: Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Weights:
+    token_embd: Array  # [V, D]
+    output_norm: Array  # [D]
+    layers: Layer
+    output: Array | None = None  # [V, D]; None: tied to token_embd (llama.cpp's TENSOR_DUPLICATED)
+    rope_freqs: Array | None = None  # [n_rot/2] Llama 3.x rope factors: theta_i /= rope_freqs[i]
+
+
+# GGUF tensor name within a block -> Layer field.
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "attn_q",
+    "attn_k.weight": "attn_k",
+    "attn_v.weight": "attn_v",
+    "attn_output.weight": "attn_output",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "ffn_gate",
+    "ffn_up.weight": "ffn_up",
+    "ffn_down.weight": "ffn_down",
+    "attn_q.bias": "attn_q_bias",
+    "attn_k.bias": "attn_k_bias",
+    "attn_v.bias": "attn_v_bias",
+    "attn_output.bias": "attn_output_bias",
+    "attn_q_norm.weight": "attn_q_norm",
+    "attn_k_norm.weight": "attn_k_norm",
+    "post_attention_norm.weight": "post_attention_norm",
+    "post_ffw_norm.weight": "post_ffw_norm",
+}
+_OPTIONAL_BIASES = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")
+
+
+def _layer_fields(config: Config) -> tuple[set[str], set[str]]:
+    """(required, allowed) Layer fields for this architecture, as llama.cpp's loader has them."""
+    required = {f.name for f in dataclasses.fields(Layer) if f.default is dataclasses.MISSING}
+    if config.arch == "qwen2":
+        required |= {"attn_q_bias", "attn_k_bias", "attn_v_bias"}
+    if config.qk_norm:
+        required |= {"attn_q_norm", "attn_k_norm"}
+    if config.post_norms:
+        required |= {"post_attention_norm", "post_ffw_norm"}
+    allowed = required | set(_OPTIONAL_BIASES) if config.arch in ("llama", "qwen2") else set(required)
+    return required, allowed
+
+
+def _expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    d, dh, f = config.n_embd, config.head_dim, config.n_ff
+    q, kv = config.n_head * dh, config.n_head_kv * dh
+    return {
+        "attn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d), "attn_output": (d, q),
+        "ffn_norm": (d,), "ffn_gate": (f, d), "ffn_up": (f, d), "ffn_down": (d, f),
+        "attn_q_bias": (q,), "attn_k_bias": (kv,), "attn_v_bias": (kv,), "attn_output_bias": (d,),
+        "attn_q_norm": (dh,), "attn_k_norm": (dh,), "post_attention_norm": (d,), "post_ffw_norm": (d,),
+    }
+
+
+def tensor_array(tensor) -> np.ndarray:
+    """One GGUF tensor as f32 in numpy order ([out, in] for a matrix); unsupported types are refused."""
+    return np.asarray(dequantize(tensor.data, int(tensor.tensor_type), tensor.shape, name=tensor.name))
+
+
+def load_weights(path: str | os.PathLike, *, verified: bool) -> tuple[Config, Weights]:
+    """Read config and weights from a GGUF that `bankml.verify.verify` accepted (`verified=True`).
+
+    Raises `UnsupportedModel` / `UnsupportedTensorType` with the reason for anything we cannot run.
+    """
+    if not verified:
+        raise PermissionError("refusing to load weights from a file that was not verified (bankml.verify)")
+    from gguf import GGUFReader  # gguf-py touches the file only after the guard and pin accepted it
+
+    reader = GGUFReader(os.fspath(path))
+    config = Config.from_gguf(reader.fields)
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:  # refuse a bad type before spending time on the others
+        check_supported(int(t.tensor_type), t.name)
+    return config, _build(config, tensors)
+
+
+def _build(config: Config, tensors: dict) -> Weights:
+    required, allowed = _layer_fields(config)
+    shapes = _expected_shapes(config)
+    present: dict[str, int] = {}  # Layer field -> in how many blocks
+    unexpected = []
+    for name in tensors:
+        if name.startswith("blk."):
+            _, il, local = name.split(".", 2)
+            slot = _LAYER_TENSORS.get(local)
+            if slot is None or slot not in allowed or not il.isdigit() or int(il) >= config.n_layer:
+                unexpected.append(name)
+            else:
+                present[slot] = present.get(slot, 0) + 1
+        elif name not in ("token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"):
+            unexpected.append(name)
+        elif name == "rope_freqs.weight" and config.arch != "llama":
+            unexpected.append(name)
+    if unexpected:
+        raise UnsupportedModel(f"unexpected tensors for {config.arch}: {', '.join(sorted(unexpected)[:8])}")
+    fields = required | {f for f in present if f in allowed}
+    for name in sorted(fields):
+        if present.get(name, 0) != config.n_layer:
+            raise UnsupportedModel(f"tensor {name} is present in {present.get(name, 0)} of {config.n_layer} blocks")
+
+    gguf_name = {v: k for k, v in _LAYER_TENSORS.items()}
+    stacked = {}
+    for name in sorted(fields):
+        out = np.empty((config.n_layer, *shapes[name]), dtype=np.float32)
+        for il in range(config.n_layer):
+            out[il] = _checked(tensors[f"blk.{il}.{gguf_name[name]}"], shapes[name])
+        stacked[name] = jnp.asarray(out)
+        del out
+
+    d, v = config.n_embd, config.n_vocab
+    out_w = tensors.get("output.weight")
+    rope_freqs = tensors.get("rope_freqs.weight")
+    return Weights(
+        token_embd=jnp.asarray(_checked(tensors["token_embd.weight"], (v, d))),
+        output_norm=jnp.asarray(_checked(tensors["output_norm.weight"], (d,))),
+        layers=Layer(**stacked),
+        output=None if out_w is None else jnp.asarray(_checked(out_w, (v, d))),
+        rope_freqs=None if rope_freqs is None else jnp.asarray(_checked(rope_freqs, (config.n_rot // 2,))),
+    )
+
+
+def _checked(tensor, shape: tuple[int, ...]) -> np.ndarray:
+    array = tensor_array(tensor)
+    if array.shape != shape:
+        raise UnsupportedModel(f"tensor {tensor.name!r} has shape {array.shape}, expected {shape}")
+    return array

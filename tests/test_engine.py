@@ -1,0 +1,194 @@
+"""The generation API on a tiny random llama (tokenizer included) and, marked slow, on the real SmolLM2."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_gguf import write_tiny_gguf
+
+from model.engine import Engine, EngineError
+from model.messages import FinishReason, GenerateRequest, SamplingParams
+from model.sampling import SamplingArrays, sample
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = write_tiny_gguf(tmp_path_factory.mktemp("engine") / "tiny.gguf", "llama", n_layer=2, scale=0.3)
+    return Engine.load(path, verified=True, n_ctx=1024, n_slots=2, warmup=False)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+def _tokens(outs) -> list[int]:
+    return [o.token for o in outs]
+
+
+def _greedy_by_full_forward(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(engine.logits(seq)[-1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_generation_matches_full_forward(engine):
+    prompt = _prompt(40)
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8)))
+    assert _tokens(outs) == _greedy_by_full_forward(engine, prompt, 8)
+    assert [o.finish_reason for o in outs] == [None] * 7 + [FinishReason.LENGTH]
+    assert (outs[-1].prompt_tokens, outs[-1].completion_tokens) == (40, 8)
+    # the streamed pieces are the tokens' text (byte-level vocabulary: every token is one byte)
+    assert "".join(o.text for o in outs) == engine.tokenizer.decode(_tokens(outs))
+
+
+def test_prompt_longer_than_a_prefill_chunk(engine):
+    """700 tokens: a 512 chunk, then a chunk that attends to the cached first one."""
+    prompt = _prompt(700, seed=1)
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3)))
+    assert _tokens(outs) == _greedy_by_full_forward(engine, prompt, 3)
+
+
+def test_context_full_and_prompt_limits(engine):
+    outs = list(engine.generate(_prompt(1020, seed=2), GREEDY))  # n_ctx 1024: room for 4 tokens
+    assert len(outs) == 4 and outs[-1].finish_reason is FinishReason.LENGTH
+    with pytest.raises(EngineError, match="1024 tokens, the context only 1024"):
+        list(engine.generate(_prompt(1024), GREEDY))
+    with pytest.raises(EngineError, match="empty"):
+        list(engine.generate([], GREEDY))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        list(engine.generate([1, 10_000], GREEDY))
+    # max_tokens 0 returns one token, as llama-server does
+    assert len(list(engine.generate(_prompt(5), SamplingParams(temperature=0.0, max_tokens=0)))) == 1
+
+
+def test_end_of_generation_token_stops(engine):
+    prompt = _prompt(12, seed=3)
+    first = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1)))[0].token
+    engine.eog_ids = frozenset({first})
+    try:
+        outs = list(engine.generate(prompt, GREEDY))
+    finally:
+        engine.eog_ids = frozenset(engine.tokenizer.eog_ids)
+    assert len(outs) == 1
+    assert (outs[0].token, outs[0].text, outs[0].finish_reason) == (first, "", FinishReason.STOP)
+    assert outs[0].completion_tokens == 1
+
+
+def test_seeded_sampling_is_deterministic(engine):
+    prompt = _prompt(10, seed=4)
+
+    def run(seed, **kw):
+        params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed, max_tokens=12, **kw)
+        return _tokens(engine.generate(prompt, params))
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    assert run(7, n_probs=2) == run(7)  # asking for logprobs does not move the draw
+
+
+def test_logprobs_are_the_raw_log_softmax(engine):
+    prompt = _prompt(9, seed=5)
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, n_probs=5)))
+    logits = engine.logits(prompt + _tokens(outs)[:-1])[len(prompt) - 1:]
+    for row, out in zip(logits, outs, strict=True):
+        lp = np.asarray(jax.nn.log_softmax(jnp.asarray(row)))
+        top = np.argsort(-lp)[:5]
+        assert [t.token for t in out.top_logprobs] == top.tolist()
+        np.testing.assert_allclose([t.logprob for t in out.top_logprobs], lp[top], atol=1e-4)
+        assert out.logprob == pytest.approx(lp[out.token], abs=1e-4)
+
+
+def test_two_requests_share_the_batch(engine):
+    """Requests decoded side by side in two slots give the tokens each gives alone."""
+    a, b = _prompt(20, seed=6), _prompt(33, seed=7)
+    alone_a = _tokens(engine.generate(a, SamplingParams(temperature=0.0, max_tokens=6)))
+    alone_b = _tokens(engine.generate(b, SamplingParams(temperature=0.9, seed=3, max_tokens=9)))
+    got = {"a": [engine.submit(GenerateRequest(a, SamplingParams(temperature=0.0, max_tokens=6), "a")).token]}
+    got["b"] = [engine.submit(GenerateRequest(b, SamplingParams(temperature=0.9, seed=3, max_tokens=9), "b")).token]
+    with pytest.raises(EngineError, match="all slots are busy"):
+        engine.submit(GenerateRequest(a, GREEDY, "c"))
+    while engine.active_requests():
+        for rid, out in engine.step():
+            got[rid].append(out.token)
+    assert got == {"a": alone_a, "b": alone_b}
+    assert engine.free_slots() == 2
+
+
+def test_cancel_frees_the_slot(engine):
+    out = engine.submit(GenerateRequest(_prompt(8), GREEDY, "x"))
+    assert out.finish_reason is None and engine.active_requests() == ["x"]
+    final = engine.cancel("x")
+    assert final.finish_reason is FinishReason.ABORT and engine.free_slots() == 2
+    assert engine.cancel("x") is None
+
+
+def test_no_recompiles_after_warmup(tmp_path, caplog):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
+    engine = Engine.load(path, verified=True, n_ctx=256, n_slots=2, warmup=False)
+    assert engine.warmup() > 0
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            jax.jit(lambda x: x * 3)(jnp.ones(3))  # proves the capture sees a compilation
+            assert any("Compiling" in r.getMessage() for r in caplog.records)
+            caplog.clear()
+            for i, params in enumerate([GREEDY, SamplingParams(temperature=0.7, seed=1, n_probs=3),
+                                        SamplingParams(temperature=1.3, top_k=0, top_p=0.5, seed=2),
+                                        SamplingParams(temperature=0.2, top_k=5, min_p=0.2, max_tokens=4)]):
+                list(engine.generate(_prompt(3 + 40 * i, seed=i), params))
+            compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert compiles == []
+
+
+def _sample(logits, **kw):
+    b = logits.shape[0]
+    defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, n_probs=0)
+    defaults.update(kw)
+    sa = SamplingArrays(**{k: jnp.full((b,), v, jnp.uint32 if k == "seed" else None) for k, v in defaults.items()})
+    return np.asarray(sample(jnp.asarray(logits, jnp.float32), sa, jnp.arange(b, dtype=jnp.int32)))
+
+
+def test_sampling_filters():
+    rng = np.random.default_rng(0)
+    logits = np.tile(rng.standard_normal(300), (64, 1))  # 64 draws from one distribution
+    best = int(np.argmax(logits[0]))
+    order = np.argsort(-logits[0])
+    assert (_sample(logits, temperature=0.0) == best).all()
+    assert (_sample(logits, top_k=1) == best).all()
+    assert (_sample(logits, top_p=1e-6) == best).all()
+    assert (_sample(logits, min_p=1.0) == best).all()
+    assert set(_sample(logits, top_k=3, temperature=5.0)) <= set(order[:3].tolist())
+    many = _sample(logits, top_k=0, temperature=5.0)  # full-sort path: spreads over the vocabulary
+    assert len(set(many)) > 20
+    # top-p keeps the smallest prefix reaching p: with two dominant tokens, p=0.5 keeps one or both
+    two = np.full((64, 300), -20.0)
+    two[:, 10], two[:, 20] = 1.0, 0.9
+    assert set(_sample(two, top_p=0.4)) == {10}
+    assert set(_sample(two, top_p=0.9)) == {10, 20}
+
+
+@pytest.mark.slow
+def test_smollm2_answers_the_capital_of_france(smollm2_path):
+    from gguf import GGUFReader
+
+    from model.chat_template import render_chat
+
+    engine = Engine.load(smollm2_path, verified=True, n_ctx=512, warmup=False)
+    tok = engine.tokenizer
+    template = GGUFReader(str(smollm2_path)).fields["tokenizer.chat_template"].contents()
+    text = render_chat(template, [{"role": "user", "content": "What is the capital of France?"}],
+                       bos_token=tok.bos_token, eos_token=tok.eos_token, add_bos=tok.add_bos)
+    prompt = tok.encode(text, add_special=True, parse_special=True)
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24)))
+    answer = "".join(o.text for o in outs)
+    assert "Paris" in answer
+    assert outs[-1].finish_reason is FinishReason.STOP
