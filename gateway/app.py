@@ -25,13 +25,15 @@ from sanic import Sanic
 from sanic.exceptions import NotFound
 
 from bankml import __version__
-from gateway import bankml_routes, llama_routes
-from gateway.bankml_routes import MetricsRing
+from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
 from gateway.errors import GatewayErrorHandler
 from gateway.loopback import Limits, make_protocol
+from gateway.monitoring import Monitoring
 from gateway.residency import Loader, Residency
+from gpu_monitor import limiter
+from model import device_budget
 from model.engine_thread import EngineThread
 
 log = logging.getLogger("bankml.gateway")
@@ -40,15 +42,22 @@ Handler = Callable[[Any, "GatewayState"], Awaitable[Any]]
 
 ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/bankml"): bankml_routes.bankml,
-    ("GET", "/bankml/usage"): bankml_routes.usage,
-    ("GET", "/bankml/metrics"): bankml_routes.metrics,
+    ("GET", "/bankml/usage"): monitor_routes.usage,
+    ("GET", "/bankml/metrics"): monitor_routes.metrics,
+    ("GET", "/bankml/status"): monitor_routes.status,
+    ("GET", "/metrics"): monitor_routes.prometheus,
     ("GET", "/health"): llama_routes.health,
     ("GET", "/props"): llama_routes.props,
     ("GET", "/v1/models"): llama_routes.models,
+    ("GET", "/"): monitor_routes.root,  # the status page for a browser, else serving.md's line
+    ("HEAD", "/"): monitor_routes.root,
     ("POST", "/tokenize"): llama_routes.tokenize,
     ("POST", "/apply-template"): llama_routes.apply_template,
     ("POST", "/v1/chat/completions"): chat_completions,
 }
+
+
+ROOT_TEXT = "bankml is running (Ollama's API at /api, native only)"  # serving.md §1, GET / for non-browsers
 
 
 def routes_text() -> str:
@@ -63,7 +72,7 @@ class GatewayState:
     residency: Residency
     client: EngineClient
     upstream: str  # "host:port" of the engine address, as /bankml reports it
-    metrics: MetricsRing
+    monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve") -> Sanic:
@@ -114,6 +123,16 @@ def native_loader(n_ctx: int, n_slots: int) -> Loader:
     return load
 
 
+def native_monitoring(state: GatewayState) -> Monitoring:
+    """The monitor of a gateway whose engine runs in this process (the engine is loaded by now)."""
+    from gpu_monitor import Monitor
+
+    monitor = Monitor()
+    monitor.start()  # RAPL's wrap accounting, and NVML's init before the first answer's mark
+    return Monitoring(monitor, whoami=lambda: bankml_routes.bankml_info(state), mode="native",
+                      root_text=ROOT_TEXT, energy_device=device_budget.engine_platform())
+
+
 def _refuse(why: str) -> int:
     print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
     return 2
@@ -131,15 +150,25 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     logging.getLogger("sanic.access").setLevel(logging.WARNING)
     limits = Limits.from_config(options.config.get("limits", {}))
     engine_cfg = options.config.get("engine", {})
+    n_slots = int(engine_cfg.get("n_slots", 1))
+    try:  # before the engine first touches jax: JAX's allocator reads it once
+        memory_fraction, fraction_note = device_budget.apply_memory_fraction(
+            float(engine_cfg.get("memory_fraction", 0.75)))
+    except ValueError as e:
+        return _refuse(str(e))
+    if fraction_note:
+        log.warning("%s", fraction_note)
     thread = EngineThread()
     client = EngineClient(thread)
-    residency = Residency(gated, client, loader or native_loader(options.ctx, int(engine_cfg.get("n_slots", 1))))
+    residency = Residency(gated, client, loader or native_loader(options.ctx, n_slots))
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
         loaded = residency.load_startup()
     except Exception as e:
         thread.stop()
         return _refuse(f"cannot load {gated.path}: {e}")
+    limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
+                                                    n_slots=n_slots, note=fraction_note))
     listen, upstream = _address(*options.listen), _address(*options.upstream)
     sockets: list[socket.socket] = []
     try:
@@ -156,7 +185,8 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
     upstream = _address(*sockets[1].getsockname()[:2])
-    state = GatewayState(residency, client, upstream, MetricsRing())
+    state = GatewayState(residency, client, upstream)
+    state.monitoring = native_monitoring(state)
     app = create_app(state, limits)
     for sock in sockets:
         app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False,
@@ -169,6 +199,8 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     try:
         Sanic.serve_single(app)
     finally:
+        state.monitoring.close()
+        limiter.unregister()
         thread.stop()
         for sock in sockets:
             sock.close()

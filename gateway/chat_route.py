@@ -4,10 +4,12 @@
 2. resolve `model` (404) and acquire the model: its file must still be the verified one, or 503 and
    no receipt (residency.py);
 3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
-4. hand the request to the engine queue (engine_client.py) and read this request's outputs;
+4. hand the request to the engine queue (engine_client.py, metered by monitoring.py) and read this
+   request's outputs;
 5. write them: one JSON answer, or SSE chunks as the pieces form; the head of a stream goes out with
    the first token, so a failure before it is still an ordinary error status;
-6. the receipt over the text exactly as sent, then `[DONE]`.
+6. a completed answer's /bankml/metrics record (before the answer goes out, so a client that asks
+   next sees it); the receipt over the text exactly as sent, then `[DONE]`.
 A client that goes away cancels the handler; leaving the `async with` aborts the generation before
 the engine's next decode step.
 """
@@ -56,29 +58,35 @@ async def chat_completions(request, state):
     return await _whole(state, loaded, job, tally, created)
 
 
+def _stem(loaded) -> str:
+    return loaded.file_name.removesuffix(".gguf")  # the metrics record's model: the file stem, its case kept
+
+
 async def _whole(state, loaded, job: GenerateRequest, tally: Tally, created: int):
     pieces: list[str] = []
     last: StepOutput | None = None
-    async with state.client.generate(job) as gen:
-        async for out in gen:
+    async with state.monitoring.metered(state.client, job) as answer:
+        async for out in answer:
             if out.token is not None:
                 tally.token()
             pieces.append(out.text)
             last = out
-    if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+        completed = last is not None and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if completed:
+            await answer.record(_stem(loaded), last)
+    if not completed:
         raise engine_error(state, last or StepOutput(token=None))
     text = "".join(pieces)
     tally.sent(text)
     tally.prompt_tokens, tally.completion_tokens = last.prompt_tokens, last.completion_tokens
-    state.metrics.add(loaded.file_name.removesuffix(".gguf"), last, tally.ttft_ms)
     receipt = tally.receipt(loaded.engine, loaded.verified)
     return json_response(completion_body(text, last, created, loaded.file_name, receipt))
 
 
 async def _streamed(request, state, loaded, job: GenerateRequest, tally: Tally, created: int):
     response = None
-    async with state.client.generate(job) as gen:
-        async for out in gen:
+    async with state.monitoring.metered(state.client, job) as answer:
+        async for out in answer:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 if response is None:
                     raise engine_error(state, out)
@@ -95,7 +103,7 @@ async def _streamed(request, state, loaded, job: GenerateRequest, tally: Tally, 
                 tally.sent(out.text)
             if out.finish_reason is not None:
                 tally.prompt_tokens, tally.completion_tokens = out.prompt_tokens, out.completion_tokens
-                state.metrics.add(loaded.file_name.removesuffix(".gguf"), out, tally.ttft_ms)
+                await answer.record(_stem(loaded), out)
                 await response.send(final_event(out, created, loaded.file_name))
                 await response.send(receipt_event(tally.receipt(loaded.engine, loaded.verified)))
                 await response.send(DONE_EVENT)

@@ -1,0 +1,182 @@
+"""`GET /metrics`: Prometheus text, `bankml_*` names, one registry per app (never the global one).
+
+Two kinds of series:
+- lifetime, pushed as answers complete (`observe_answer`): counters of answers, prompt, cached and
+  completion tokens, and measured joules with the tokens they paid for; histograms of time to first token, request latency and
+  generation speed. Counters never fall (the /bankml/metrics ring's totals do: monitor.md §7.9).
+- sampled, read from one /bankml/usage snapshot at scrape time (`UsageCollector`): requests running
+  and waiting, this process's memory and CPU, RAPL package energy, per-GPU busy, memory, power,
+  temperature and energy, the limiter. A value the monitor could not read is left out, not written
+  as 0: an absent series is Prometheus's "unknown".
+Chart `rate()` of the joule counters rather than the sampled watts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
+
+
+class UsageCollector:
+    """Series read from the latest usage snapshot, which the scrape handler sets just before encoding."""
+
+    def __init__(self, flights: Callable[[], tuple[int, int]], info: Callable[[], Mapping[str, str]],
+                 energy: Callable[[], tuple[float, int] | None]):
+        self.snapshot: dict[str, Any] = {}
+        self._flights = flights
+        self._info = info
+        self._energy = energy
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the set of series depends on the machine
+
+    def collect(self) -> Iterable[Metric]:
+        running, waiting = self._flights()
+        yield GaugeMetricFamily("bankml_requests_running", "Answers generating on the engine now.", running)
+        yield GaugeMetricFamily("bankml_requests_waiting", "Answers queued for the engine.", waiting)
+        energy = self._energy()
+        if energy is not None:  # absent until an answer's energy was measured: never a fake 0 J
+            yield CounterMetricFamily("bankml_answer_energy_joules",
+                                      "Measured energy of completed answers (their energy_j).", energy[0])
+            yield CounterMetricFamily("bankml_answer_energy_tokens",
+                                      "Completion tokens of the answers whose energy was measured "
+                                      "(J/token = rate of the joules / rate of these).", energy[1])
+        info = dict(self._info())
+        if info:
+            g = GaugeMetricFamily("bankml_model_info", "The verified model being served (always 1).",
+                                  labels=list(info))
+            g.add_metric(list(info.values()), 1)
+            yield g
+        u = self.snapshot
+        if not u:
+            return
+        rss = GaugeMetricFamily("bankml_process_resident_memory_bytes",
+                                "Resident memory of the server and its engine process.", labels=["name", "pid"])
+        cpu = GaugeMetricFamily("bankml_process_cpu_percent",
+                                "CPU over the last usage window; 100 is one core busy.", labels=["name", "pid"])
+        for p in u.get("processes", []):
+            rss.add_metric([p["name"], str(p["pid"])], p["rss_bytes"])
+            cpu.add_metric([p["name"], str(p["pid"])], p["cpu_percent"])
+        yield rss
+        yield cpu
+        if u.get("package_energy_j") is not None:
+            yield CounterMetricFamily("bankml_package_energy_joules",
+                                      "CPU package energy (RAPL, all packages) since the server started.",
+                                      u["package_energy_j"])
+        if u.get("package_watts") is not None:
+            yield GaugeMetricFamily("bankml_package_power_watts",
+                                    "CPU package power over the last usage window (RAPL).", u["package_watts"])
+        yield from self._gpus(u.get("gpus", []))
+        yield from self._limiter(u.get("gpu_limiter"))
+
+    @staticmethod
+    def _gpus(gpus: list[dict[str, Any]]) -> Iterable[Metric]:
+        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["card"])
+            for gpu in gpus:
+                if gpu.get(key) is not None:
+                    g.add_metric([gpu["card"]], gpu[key])
+            return g
+
+        yield gauge("bankml_gpu_busy_percent", "GPU busy percent (sysfs gpu_busy_percent, NVML, amdsmi).",
+                    "busy_percent")
+        used = GaugeMetricFamily("bankml_gpu_memory_used_bytes", "GPU memory in use, by pool.",
+                                 labels=["card", "pool"])
+        total = GaugeMetricFamily("bankml_gpu_memory_total_bytes", "GPU memory size, by pool.",
+                                  labels=["card", "pool"])
+        for gpu in gpus:
+            for pool in ("vram", "gtt"):
+                if gpu.get(f"{pool}_used_bytes") is not None:
+                    used.add_metric([gpu["card"], pool], gpu[f"{pool}_used_bytes"])
+                if gpu.get(f"{pool}_total_bytes") is not None:
+                    total.add_metric([gpu["card"], pool], gpu[f"{pool}_total_bytes"])
+        yield used
+        yield total
+        yield gauge("bankml_gpu_power_watts", "GPU board power.", "power_watts")
+        yield gauge("bankml_gpu_power_limit_watts", "GPU enforced power limit.", "power_limit_watts")
+        yield gauge("bankml_gpu_temperature_celsius", "GPU temperature.", "temperature_c")
+        energy = CounterMetricFamily("bankml_gpu_energy_joules",
+                                     "GPU energy counter (NVML: since the driver loaded).", labels=["card"])
+        for gpu in gpus:
+            if gpu.get("energy_j") is not None:
+                energy.add_metric([gpu["card"]], gpu["energy_j"])
+        yield energy
+
+    @staticmethod
+    def _limiter(lim: dict[str, Any] | None) -> Iterable[Metric]:
+        if not lim:
+            return
+        labels = [lim.get("device") or ""]
+        for name, doc, key in (
+            ("bankml_limiter_memory_fraction", "Share of device memory the server may take.", "limit"),
+            ("bankml_limiter_allocated_bytes", "Device memory the engine's allocator holds.", "allocated_bytes"),
+            ("bankml_limiter_limit_bytes", "The engine allocator's ceiling.", "limit_bytes"),
+            ("bankml_limiter_sequences_max", "Sequences the engine decodes at once (n_slots).", "sequences_max"),
+            ("bankml_limiter_sequences_in_use", "Sequences decoding now.", "sequences_in_use"),
+        ):
+            if lim.get(key) is not None:
+                g = GaugeMetricFamily(name, doc, labels=["device"])
+                g.add_metric(labels, lim[key])
+                yield g
+
+
+class PromMetrics:
+    """The lifetime series and the sampled ones, in a registry of this app's own."""
+
+    def __init__(self, flights: Callable[[], tuple[int, int]], info: Callable[[], Mapping[str, str]]):
+        disable_created_metrics()  # process-wide: no `*_created` series, which only repeat the start time
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.answers = Counter("bankml_answers", "Answers that ended, by how they ended.", ["finish"], registry=r)
+        self.prompt_tokens = Counter("bankml_prompt_tokens", "Prompt tokens of completed answers (cached included).",
+                                     registry=r)
+        self.cached_tokens = Counter("bankml_prompt_cached_tokens", "Prompt tokens reused from the cache.",
+                                     registry=r)
+        self.completion_tokens = Counter("bankml_completion_tokens",
+                                         "Generated tokens of completed answers (end-of-generation included).",
+                                         registry=r)
+        self._energy: tuple[float, int] | None = None  # (joules, completion tokens) of measured answers
+        self.ttft = Histogram("bankml_ttft_seconds",
+                              "From the request handed to the engine queue to its first text (queueing included).",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.latency = Histogram("bankml_request_duration_seconds",
+                                 "From the request handed to the engine queue to its last token.",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.eval_tps = Histogram("bankml_generation_tokens_per_second", "eval_tps of completed answers.",
+                                  buckets=TPS_BUCKETS, registry=r)
+        self.usage = UsageCollector(flights, info, lambda: self._energy)
+        r.register(self.usage)
+
+    def observe_answer(self, record: Mapping[str, Any], *, ttft_s: float | None, latency_s: float) -> None:
+        """A completed answer (its /bankml/metrics record)."""
+        self.answers.labels(record["finish"] or "stop").inc()
+        self.prompt_tokens.inc(record["prompt_tokens"])
+        self.cached_tokens.inc(record["cached_tokens"])
+        self.completion_tokens.inc(record["completion_tokens"])
+        if record["energy_j"] is not None:
+            j, n = self._energy or (0.0, 0)
+            self._energy = (j + max(0.0, record["energy_j"]), n + record["completion_tokens"])
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.latency.observe(latency_s)
+        if record["eval_tps"] is not None:
+            self.eval_tps.observe(record["eval_tps"])
+
+    def ended_unfinished(self, finish: str) -> None:
+        """An answer that ended without completing ("abort": the client went away; "error")."""
+        self.answers.labels(finish).inc()
+
+    def exposition(self, usage: dict[str, Any], accept: str | None) -> tuple[bytes, str]:
+        """(body, content type) in the format the scraper asked for (Prometheus text by default).
+        Synchronous from setting the snapshot to encoding it, so two scrapes on one loop never mix."""
+        encoder, content_type = choose_encoder(accept or "")
+        self.usage.snapshot = usage
+        return encoder(self.registry), content_type
