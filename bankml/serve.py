@@ -105,11 +105,10 @@ def serve_main(args: list[str]) -> int:
     v = gated.verified
     print(f"bankml serve: verified {gated.path}: sha256 {v.model_sha256}, arch {v.arch}, name {v.name}",
           file=sys.stderr, flush=True)
-    try:
-        from gateway.app import run_gateway
-    except ImportError:
-        mode = "native" if options.native or options.spawn is None else f"spawn {options.spawn}"
-        print(f"bankml serve: would serve {gated.path} ({mode}) on {options.listen[0]}:{options.listen[1]}; "
-              "the gateway is not built yet", file=sys.stderr)
-        return 0
+    if not options.native:  # P0: in front of llama-server, --spawn or --upstream
+        from gateway.p0 import run_p0
+
+        return run_p0(gated, options)
+    from gateway.app import run_gateway
+
     return run_gateway(gated, options)

@@ -1,0 +1,271 @@
+"""P0: bankml serve in front of llama.cpp's llama-server (`--spawn BIN` or `--upstream H:P`).
+
+It vouches for the file, the path and the transcript, not for the arithmetic: the tokens come from
+llama-server. `run_p0(gated, options)`, after bankml.serve verified the file (gate.md §1 steps 1-3):
+5. SIGTERM, SIGINT and SIGHUP stop a spawned engine, then exit 128 + the signal (spawn.py);
+6. with --spawn: refuse if anything answers on the upstream address, else launch llama-server on the
+   canonical path of the verified file;
+7. poll /health every 500 ms, for 900 s with --spawn (a spawned engine that exits is noticed at once,
+   its last stderr lines in the refusal) and 10 s without;
+8. /props model_path, canonicalised, must be the verified file;
+9. hashed_at = now; the engine string names the llama-server build /props reports;
+10. only now bind --listen, then serve. Any refusal prints `bankml serve: refuse: <why>`, stops a
+    spawned engine and returns 2, with no socket bound.
+Routes: /bankml (what was verified), the monitor's (monitor_routes.py, shared with --native: usage of
+this process and the engine, an empty ring of answers, Prometheus, the status page), llama-server's
+/health, /props and /v1/models passed through, and /v1/chat/completions with receipts (p0_chat.py).
+They match the exact request target (a `?query` is another path); every connection passes the
+loopback rules first (loopback.py, shared with --native unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sanic import HTTPResponse, Sanic
+from sanic.exceptions import NotFound
+
+from bankml import __version__, jstr
+from bankml.serve import GatedModel, Refusal, ServeOptions
+from gateway import monitor_routes
+from gateway.errors import ApiError, GatewayErrorHandler, json_response
+from gateway.loopback import Limits, make_protocol
+from gateway.monitoring import Monitoring
+from gateway.p0_chat import chat_completions
+from gateway.spawn import SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
+from gateway.upstream import (
+    MAX_UPSTREAM_BODY_BYTES,
+    Upstream,
+    UpstreamError,
+    address,
+    already_answers,
+    served_model,
+    wait_healthy,
+)
+
+log = logging.getLogger("bankml.gateway")
+
+SPAWN_HEALTH_S = 900
+UPSTREAM_HEALTH_S = 10
+
+
+def engine_name(build_info: str | None) -> str:
+    """What answers (gate.md §1 step 9), naming the build of the llama-server actually behind us."""
+    return f"llama.cpp {build_info + ' ' if build_info else ''}llama-server (loopback), behind bankml P0"
+
+
+@dataclass
+class P0State:
+    gated: GatedModel
+    upstream_at: tuple[str, int]
+    upstream_address: str  # "host:port", as /bankml reports it
+    engine: str
+    hashed_at: int
+    spawned: SpawnedEngine | None
+    max_upstream_body_bytes: int = MAX_UPSTREAM_BODY_BYTES
+    upstream: Upstream | None = None  # the pooled client, made in the serving loop
+    monitoring: Monitoring | None = None
+
+
+# --- routes ------------------------------------------------------------------------------------
+
+
+def bankml_info(state: P0State) -> dict[str, Any]:
+    """The /bankml body, P0's keys in the original's order (gate.md §5)."""
+    return {
+        "verified": state.gated.verified.as_dict(),
+        "model": state.gated.path,
+        "upstream": state.upstream_address,
+        "engine": state.engine,
+        "hashed_at": state.hashed_at,
+    }
+
+
+async def bankml(request, state: P0State):
+    return json_response(jstr.dumps(bankml_info(state)))
+
+
+def _processes(state: P0State) -> list[tuple[str, int]]:
+    """Who /bankml/usage measures: this process, and the engine while it runs (pid 0: none)."""
+    engine = state.spawned
+    running = engine is not None and engine.returncode() is None
+    return [("bankml serve", os.getpid()), ("llama-server", engine.pid if running else 0)]
+
+
+def p0_monitoring(state: P0State) -> Monitoring:
+    """The shared monitor (usage, the ring of answers, Prometheus, the status page). llama-server
+    measures its own answers, so the ring stays empty in P0, as in the original."""
+    from gpu_monitor import Monitor
+
+    monitor = Monitor(processes=lambda: _processes(state))
+    monitor.start()
+    return Monitoring(monitor, whoami=lambda: bankml_info(state), mode="p0", root_text=ROOT_TEXT)
+
+
+def _proxy(path: str) -> Callable[[Any, P0State], Awaitable[HTTPResponse]]:
+    async def proxy(request, state: P0State) -> HTTPResponse:
+        try:
+            status, content_type, body = await state.upstream.get(path)
+        except UpstreamError as e:
+            raise ApiError(502, str(e)) from None
+        return HTTPResponse(body, status=status, content_type=content_type)
+
+    return proxy
+
+
+ROUTES: dict[tuple[str, str], Callable[[Any, P0State], Awaitable[HTTPResponse]]] = {
+    **monitor_routes.ROUTES,  # /, /bankml/usage, /bankml/metrics, /bankml/status, /metrics
+    ("GET", "/bankml"): bankml,
+    ("GET", "/health"): _proxy("/health"),
+    ("GET", "/props"): _proxy("/props"),
+    ("GET", "/v1/models"): _proxy("/v1/models"),
+    ("POST", "/v1/chat/completions"): chat_completions,
+}
+
+ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/usage /bankml/metrics /bankml/status /metrics /health /props "
+               "/v1/models, POST /v1/chat/completions")
+ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients that are not browsers
+
+
+def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0") -> Sanic:
+    app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(ROUTES_TEXT))
+    app.config.update({
+        "REQUEST_MAX_SIZE": limits.max_body_bytes,
+        "REQUEST_TIMEOUT": limits.read_timeout_s,
+        "KEEP_ALIVE": False,  # one request per connection; every answer says Connection: close
+        "KEEP_ALIVE_TIMEOUT": limits.read_timeout_s,
+        "RESPONSE_TIMEOUT": 365 * 24 * 3600,  # an answer is as long as llama-server takes; writes are bounded
+        "GRACEFUL_SHUTDOWN_TIMEOUT": 2.0,
+        "ACCESS_LOG": False,
+        "NOISY_EXCEPTIONS": False,
+        "MOTD": False,
+        "FALLBACK_ERROR_FORMAT": "text",
+    })
+    app.ctx.state = state
+
+    async def dispatch(request, path: str = ""):
+        handler = ROUTES.get((request.method, request.raw_url.decode("latin-1")))
+        if handler is None:
+            raise NotFound()
+        return await handler(request, app.ctx.state)
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]
+    app.add_route(dispatch, "/", methods=methods, name="root")
+    app.add_route(dispatch, "/<path:path>", methods=methods, name="dispatch")
+
+    @app.before_server_start
+    async def open_upstream(app):
+        state.upstream = Upstream(*state.upstream_at, state.max_upstream_body_bytes)
+
+    @app.after_server_start
+    async def own_signals(app):
+        # Sanic set SIGINT and SIGTERM to its own (or ignored) while starting: ours again
+        install_stop_signals(lambda: state.spawned)
+
+    @app.after_server_stop
+    async def close_upstream(app):
+        if state.upstream is not None:
+            await state.upstream.aclose()
+
+    return app
+
+
+# --- start-up ----------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The --listen socket (as gateway.app binds its own; P0 does not import the native stack)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
+def _refuse(why: str) -> int:
+    print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _watch(engine: SpawnedEngine) -> None:
+    """Say so when the engine ends while we serve (answers are 502 from then on)."""
+
+    def wait() -> None:
+        code = engine.proc.wait()
+        if engine.stopping:
+            return
+        log.warning("llama-server (pid %d) exited (%s) while serving; answers are 502 from now on; "
+                    "its last lines:\n%s", engine.pid, exit_status_text(code), engine.last_output())
+
+    threading.Thread(target=wait, name="llama-server-watch", daemon=True).start()
+
+
+def start_engine(gated: GatedModel, options: ServeOptions, up: str, holder: list) -> str | None:
+    """Steps 6-8: launch (with --spawn) or find the engine; returns its build_info. Raises Refusal.
+    A launched engine is put in `holder` at once, so a signal or a refusal can stop it."""
+    if options.spawn:
+        if already_answers(up):
+            raise Refusal(f"{up} already answers: an engine is running there, and bankml would bind to it "
+                          "instead of the one it launches. Stop it, or use --upstream to check it by its /props")
+        host, port = options.upstream
+        argv = engine_argv(options.spawn, gated.path, host, port, options.threads, options.ctx,
+                           options.spec_ngram, options.slot_dir)
+        try:
+            holder.append(SpawnedEngine(argv))
+        except OSError as e:
+            raise Refusal(f"cannot launch {options.spawn}: {e.strerror or e}") from e
+        log.info("launched %s (pid %d) on %s; waiting for /health", options.spawn, holder[0].pid, up)
+    wait_healthy(up, SPAWN_HEALTH_S if options.spawn else UPSTREAM_HEALTH_S, holder[0] if holder else None)
+    return served_model(up, gated.path).build_info
+
+
+def run_p0(gated: GatedModel, options: ServeOptions) -> int:
+    """Start the engine (or check it), bind --listen, serve until stopped. Returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="bankml serve: %(message)s", stream=sys.stderr)
+    logging.getLogger("sanic.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
+    limits_table = options.config.get("limits", {})
+    limits = Limits.from_config(limits_table)
+    up = address(*options.upstream)
+    holder: list[SpawnedEngine] = []
+    install_stop_signals(lambda: holder[0] if holder else None)
+    try:
+        build_info = start_engine(gated, options, up, holder)
+        hashed_at = int(time.time())
+        try:
+            sock = bind(*options.listen)
+        except OSError as e:
+            raise Refusal(f"cannot listen on {address(*options.listen)}: {e.strerror or e}") from e
+    except Refusal as e:
+        if holder:
+            holder[0].stop()
+        return _refuse(str(e))
+    except BaseException:
+        if holder:  # a bug must not leave the engine running until we exit
+            holder[0].stop()
+        raise
+    spawned = holder[0] if holder else None
+    state = P0State(gated, options.upstream, up, engine_name(build_info), hashed_at, spawned,
+                    int(limits_table.get("max_upstream_body_bytes", MAX_UPSTREAM_BODY_BYTES)))
+    state.monitoring = p0_monitoring(state)
+    app = create_p0_app(state, limits)
+    app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False, access_log=False,
+                register_sys_signals=False)
+    if spawned is not None:
+        _watch(spawned)
+    listen = address(*sock.getsockname()[:2])
+    log.info("bankml serve %s: %s verified (sha256 %s), upstream %s serves it (%s); listening on http://%s",
+             __version__, gated.path, gated.verified.model_sha256, up, state.engine, listen)
+    try:
+        Sanic.serve_single(app)
+    finally:
+        state.monitoring.close()
+        if spawned is not None:
+            spawned.stop()
+        sock.close()
+    return 0
