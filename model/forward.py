@@ -2,12 +2,13 @@
 
 One function serves prefill and decode. Row b of `tokens [B, T]` continues cache slot `slot0 + b`
 from position `cache.lengths[slot0 + b]`; its first `n_new[b]` tokens are real (0: an inactive slot,
-computed and thrown away so the shapes never change). Layers run under `lax.scan` over the stacked
-weights; per-layer differences (gemma3's sliding window and rope base) are scanned arrays. Each layer
-attends to the cached cells [0, window) of its slot -- `window` is a static power-of-two bucket the
-caller picks above the longest prefix -- plus the new tokens, causally; all new K/V are scattered
-into the cache in one write at the end. The float rules follow llama.cpp's graphs (src/models/
-llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32; we are not bit-identical (spec README §1).
+computed and thrown away so the shapes never change). Layers run under one `lax.scan` over the layer
+index, each matmul reading its layer from the stacked weights; per-layer differences (gemma3's sliding
+window and rope base) are scanned arrays. Each layer attends to the cached cells [0, window) of its
+slot -- `window` is a static power-of-two bucket the caller picks above the longest prefix -- plus
+the new tokens, causally; all new K/V are scattered into the cache in one write at the end. The float
+rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
+exactly dequantized weights; we are not bit-identical to llama.cpp (spec README §1, tests/test_golden.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from jax import lax
 
 from model.config import Config
 from model.kvcache import KVCache
+from model.packed import Packed, take_rows
+from model.packed import linear as packed_linear
 from model.rope import apply_rope, rope_tables
 from model.weights import Layer, Weights
 
@@ -29,15 +32,30 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x, w)  # w keeps GGUF's [out, in]
-    return y if b is None else y + b
+def _linear(x: jax.Array, w: jax.Array | Packed, b: jax.Array | None = None,
+            layer: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w.T (+ b). With `layer`, w and b are stacks over layers and `layer` picks one."""
+    if isinstance(w, Packed):
+        y = packed_linear(x, w, layer)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, w if layer is None else w[layer])  # GGUF's [out, in]
+    if b is not None:
+        y = y + (b if layer is None else b[layer])
+    return y
+
+
+def embed(weights: Weights, tokens: jax.Array, config: Config) -> jax.Array:
+    """tokens [B, T] -> [B, T, D] (gemma scales by sqrt(n_embd))."""
+    table = weights.token_embd
+    rows = take_rows(table, tokens) if isinstance(table, Packed) else table[tokens]
+    return rows * jnp.float32(config.embd_scale)
 
 
 def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config: Config):
     """Scaled dot-product attention over cached cells plus the new tokens (causal).
 
-    q [B, T, H, Dh]; k_new, v_new [B, T, Hkv, Dh]; k_old, v_old [B, W, Hkv, Dh] or None (W = 0);
+    q [B, T, H, Dh]; k_new, v_new [B, T, Hkv, Dh]; k_old [B, Hkv, W, Dh] and v_old [B, Hkv, Dh, W], or
+    None (W = 0);
     starts [B] (cells valid below it); positions [B, T]. Returns [B, T, H*Dh].
     """
     b, t, _, dh = q.shape
@@ -51,30 +69,34 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
         new_ok &= ~is_swa | (t_idx[:, None] - t_idx[None, :] < config.n_swa)
     scores = [jnp.where(new_ok, jnp.einsum("btkgd,bskd->bkgts", qg, k_new), -jnp.inf)]  # [B, K, G, T, T]
     if k_old is not None:
-        w_idx = jnp.arange(k_old.shape[1])
+        w_idx = jnp.arange(k_old.shape[2])
         old_ok = w_idx[None, None, :] < starts[:, None, None]  # [B, 1, W]
         if config.n_swa:
             old_ok = old_ok & (~is_swa | (positions[:, :, None] - w_idx[None, None, :] < config.n_swa))  # [B, T, W]
-        old = jnp.einsum("btkgd,bwkd->bkgtw", qg, k_old)  # [B, K, G, T, W]
+        old = jnp.einsum("btkgd,bkwd->bkgtw", qg, k_old)  # [B, K, G, T, W]
         scores.insert(0, jnp.where(old_ok[:, None, None], old, -jnp.inf))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -t:], v_new)
     if k_old is not None:
-        out = out + jnp.einsum("bkgtw,bwkd->btkgd", probs[..., :-t], v_old)
+        out = out + jnp.einsum("bkgtw,bkdw->btkgd", probs[..., :-t], v_old)
     return out.reshape(b, t, config.n_head * dh)
 
 
-def _layer(x, lw: Layer, is_swa, k_old, v_old, starts, positions, ropes, config: Config):
-    """One block; returns (x_out, k_new, v_new). x [B, T, D]."""
+def _layer(x, lw: Layer, il, is_swa, k_old, v_old, starts, positions, ropes, config: Config):
+    """Block `il` of the stacked layers `lw`; returns (x_out, k_new, v_new). x [B, T, D].
+
+    Matrices stay stacked and are indexed inside their matmul (see packed.linear); vectors are
+    indexed here.
+    """
     b, t, _ = x.shape
     dh, eps = config.head_dim, config.norm_eps
-    h = rms_norm(x, lw.attn_norm, eps)
-    q = _linear(h, lw.attn_q, lw.attn_q_bias).reshape(b, t, config.n_head, dh)
-    k = _linear(h, lw.attn_k, lw.attn_k_bias).reshape(b, t, config.n_head_kv, dh)
-    v = _linear(h, lw.attn_v, lw.attn_v_bias).reshape(b, t, config.n_head_kv, dh)
+    h = rms_norm(x, lw.attn_norm[il], eps)
+    q = _linear(h, lw.attn_q, lw.attn_q_bias, il).reshape(b, t, config.n_head, dh)
+    k = _linear(h, lw.attn_k, lw.attn_k_bias, il).reshape(b, t, config.n_head_kv, dh)
+    v = _linear(h, lw.attn_v, lw.attn_v_bias, il).reshape(b, t, config.n_head_kv, dh)
     if config.qk_norm:
-        q = rms_norm(q, lw.attn_q_norm, eps)
-        k = rms_norm(k, lw.attn_k_norm, eps)
+        q = rms_norm(q, lw.attn_q_norm[il], eps)
+        k = rms_norm(k, lw.attn_k_norm[il], eps)
     (cos_g, sin_g), (cos_l, sin_l) = ropes
     if cos_g is not cos_l:
         cos, sin = jnp.where(is_swa, cos_l, cos_g), jnp.where(is_swa, sin_l, sin_g)
@@ -84,17 +106,17 @@ def _layer(x, lw: Layer, is_swa, k_old, v_old, starts, positions, ropes, config:
     k = apply_rope(k, cos, sin, config.rope_neox)
 
     attn = _attention(q, k, v, k_old, v_old, starts, positions, is_swa, config)
-    out = _linear(attn, lw.attn_output, lw.attn_output_bias)
+    out = _linear(attn, lw.attn_output, lw.attn_output_bias, il)
     if config.post_norms:
-        out = rms_norm(out, lw.post_attention_norm, eps)
+        out = rms_norm(out, lw.post_attention_norm[il], eps)
     x = x + out
 
-    h = rms_norm(x, lw.ffn_norm, eps)
-    gate = _linear(h, lw.ffn_gate)
+    h = rms_norm(x, lw.ffn_norm[il], eps)
+    gate = _linear(h, lw.ffn_gate, None, il)
     act = jax.nn.gelu(gate, approximate=True) if config.ffn_gelu else jax.nn.silu(gate)
-    out = _linear(act * _linear(h, lw.ffn_up), lw.ffn_down)
+    out = _linear(act * _linear(h, lw.ffn_up, None, il), lw.ffn_down, None, il)
     if config.post_norms:
-        out = rms_norm(out, lw.post_ffw_norm, eps)
+        out = rms_norm(out, lw.post_ffw_norm[il], eps)
     return x + out, k, v
 
 
@@ -120,27 +142,30 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, slot0: jax.Arra
     b, t = tokens.shape
     starts = lax.dynamic_slice_in_dim(cache.lengths, slot0, b)  # [B]
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    x = weights.token_embd[tokens] * jnp.float32(config.embd_scale)  # [B, T, D]
+    x = embed(weights, tokens, config)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
     is_swa = jnp.asarray(config.swa_layers, dtype=bool)
 
     def body(x, xs):
-        lw, layer_swa, il = xs
+        layer_swa, il = xs
         k_old = v_old = None
         if window:
-            at = (il, slot0, 0, 0, 0)
-            size = (1, b, window, config.n_head_kv, config.head_dim)
-            k_old, v_old = lax.dynamic_slice(cache.k, at, size)[0], lax.dynamic_slice(cache.v, at, size)[0]
-        x, k, v = _layer(x, lw, layer_swa, k_old, v_old, starts, positions, ropes, config)
+            at, h, dh = (il, slot0, 0, 0, 0), config.n_head_kv, config.head_dim
+            k_old = lax.dynamic_slice(cache.k, at, (1, b, h, window, dh))[0]  # [B, Hkv, W, Dh]
+            v_old = lax.dynamic_slice(cache.v, at, (1, b, h, dh, window))[0]  # [B, Hkv, Dh, W]
+        x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config)
         return x, (k, v)
 
-    x, (k_new, v_new) = lax.scan(body, x, (weights.layers, is_swa, jnp.arange(config.n_layer)))
+    # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)
+    # every layer's weights out of the stack on each step.
+    x, (k_new, v_new) = lax.scan(body, x, (is_swa, jnp.arange(config.n_layer)))
 
     # One scatter for all layers: row b's token j goes to cell starts[b] + j of its slot. Cells past the
     # buffer (padding of a last chunk) are dropped; padding inside it lies past the new length.
     slots = (slot0 + jnp.arange(b))[:, None]  # [B, 1]
-    k_all = cache.k.at[:, slots, positions].set(k_new.astype(cache.k.dtype), mode="drop")
-    v_all = cache.v.at[:, slots, positions].set(v_new.astype(cache.v.dtype), mode="drop")
+    # advanced indices around a slice put their dims first: the target is [B, T, L, Hkv, Dh]
+    k_all = cache.k.at[:, slots, :, positions].set(jnp.moveaxis(k_new, 0, 2).astype(cache.k.dtype), mode="drop")
+    v_all = cache.v.at[:, slots, :, :, positions].set(jnp.moveaxis(v_new, 0, 2).astype(cache.v.dtype), mode="drop")
     lengths = lax.dynamic_update_slice_in_dim(cache.lengths, starts + n_new, slot0, axis=0)
     cache = KVCache(k_all, v_all, lengths)
 

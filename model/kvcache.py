@@ -1,7 +1,9 @@
 """The KV cache: one fixed-shape buffer for every slot, so neither prefill nor decode ever recompiles.
 
-k, v: [n_layer, n_slots, S, Hkv, Dh] f32, where S = n_ctx + `headroom` (a padded prefill chunk may
-write past n_ctx; those cells are never read). `lengths[slot]` counts the valid positions: a cell at
+k: [n_layer, n_slots, Hkv, S, Dh] and v: [n_layer, n_slots, Hkv, Dh, S] f32 (S = n_ctx): each is laid
+out the way its attention product reads it (Q.K contracts Dh, P.V contracts the cells), so a layer's
+window of cells is copied out without a transpose (a transposed window cost more than the whole
+attention on XLA:CPU). `lengths[slot]` counts the valid positions: a cell at
 position p of a slot is valid iff p < lengths[slot]. The forward pass reads cells with `lengths` as the
 mask and writes new cells in one scatter at the end of a step; callers donate the cache to the jitted
 step so the write is in place.
@@ -20,8 +22,8 @@ from model.config import Config
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    k: jax.Array  # [L, B_slots, S, Hkv, Dh]
-    v: jax.Array  # [L, B_slots, S, Hkv, Dh]
+    k: jax.Array  # [L, B_slots, Hkv, S, Dh]
+    v: jax.Array  # [L, B_slots, Hkv, Dh, S]
     lengths: jax.Array  # [B_slots] int32
 
     @property
@@ -30,13 +32,14 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.v.shape[4]
 
 
-def init_cache(config: Config, n_slots: int, n_ctx: int, headroom: int = 0,
-               dtype: jnp.dtype = jnp.float32) -> KVCache:
-    shape = (config.n_layer, n_slots, n_ctx + headroom, config.n_head_kv, config.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((n_slots,), jnp.int32))
+def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+    n_layer, h, dh = config.n_layer, config.n_head_kv, config.head_dim
+    return KVCache(k=jnp.zeros((n_layer, n_slots, h, n_ctx, dh), dtype),
+                   v=jnp.zeros((n_layer, n_slots, h, dh, n_ctx), dtype),
+                   lengths=jnp.zeros((n_slots,), jnp.int32))
 
 
 def cache_bytes(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float32) -> int:

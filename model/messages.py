@@ -18,17 +18,46 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed; `StepOutput.error` says why
 
 
+# llama-server's default sampler order (common/common.h); the only order this engine runs
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters. Every field becomes an array on device, so none recompiles."""
+    """Per-request parameters, with llama.cpp's meanings and defaults (common/common.h).
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int = -1  # -1: random
-    max_tokens: int = -1  # -1: until EOG or the context is full
-    n_probs: int = 0  # how many top logprobs to return per step (0: none)
+    The sampler fields become [B] arrays on the device, so no value ever recompiles. The GGUF's
+    `general.sampling.*` keys replace some defaults (gateway/request_fields.py, `gguf_defaults`).
+    """
+
+    temperature: float = 0.8  # <= 0: greedy
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # >= 1: off
+    min_p: float = 0.05  # <= 0: off
+    typical_p: float = 1.0  # >= 1: off
+    top_n_sigma: float = -1.0  # <= 0: off
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1  # > 0.5: off
+    repeat_last_n: int = 64  # 0: no penalties
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    dry_multiplier: float = 0.0  # 0: no DRY
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # 0: no DRY; -1: the context (a GGUF/CLI default only)
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    min_keep: int = 0
+    seed: int = -1  # -1 (or 0xFFFFFFFF): random
+    max_tokens: int = -1  # -1: until EOG or the context is full; 0 still gives one token (llama-server)
+    n_probs: int = 0  # how many top logprobs to return per token (0: none)
+    stop: tuple[str, ...] = ()  # stop strings, never in the answer
+    cache_prompt: bool = True  # reuse the slot's longest common prefix
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    mirostat: int = 0  # llama.cpp's mirostat 1 or 2 replaces the chain; refused unless 0
 
     @property
     def greedy(self) -> bool:
@@ -50,19 +79,47 @@ class TokenLogprob:
     logprob: float
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token: int
+    piece: bytes  # the token's bytes as llama-server renders them (a control token: b"")
+    logprob: float
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    """One entry of OpenAI's `logprobs.content`, made for a token that completes its UTF-8.
+
+    `text` is what the stop filter released at this token (llama-server's `text_to_send`), not the
+    token's own piece: b"" while a possible stop is held back.
+    """
+
+    token: int
+    text: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...]
+
+
 @dataclass
 class StepOutput:
     """What one decode step produced for one request.
 
-    `text` holds only complete UTF-8: bytes of a character split across tokens wait for the token
-    that completes it. The last output of a request has `finish_reason` set.
+    `text` holds only complete UTF-8 that no stop string can still claim: bytes of a character split
+    across tokens wait for the token that completes it, text that may begin a stop waits until it
+    cannot (model/completion.py). The last output of a request has `finish_reason` set, and says
+    what a non-streamed answer adds: `held_text`, generated but never released (a possible stop cut
+    short by the limit, a character cut by the end), which llama-server's non-streamed content keeps
+    and its stream never sends; `logprobs_trim`, how many entries at the end belong to the stop word.
     """
 
     token: int | None
     text: str = ""
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
+    logprobs: LogprobEntry | None = None  # the entry this token made (n_probs > 0, complete UTF-8)
     finish_reason: FinishReason | None = None
+    held_text: str = ""
+    logprobs_trim: int = 0
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

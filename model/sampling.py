@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from model.messages import SamplingParams
+from model.messages import DEFAULT_SAMPLERS, SamplingParams
 
 # Candidates kept by the partial sort. A row whose top_k is off (<= 0) or larger switches the whole
 # batch to a full sort of the vocabulary for that step, so the result is exact either way.
@@ -50,6 +50,27 @@ def sampling_arrays(params: Sequence[SamplingParams | None], seeds: Sequence[int
         seed=np.array([s & 0xFFFFFFFF for s in seeds], np.uint32),
         n_probs=np.array([p.n_probs for p in rows], np.int32),
     )
+
+
+def unsupported_sampling(p: SamplingParams) -> str | None:
+    """The reason this sampler cannot honour `p`, or None. Refuse, never approximate (spec README)."""
+    active = {
+        "mirostat": p.mirostat != 0,
+        "dynatemp_range": p.dynatemp_range > 0,
+        "typical_p": p.typical_p < 1.0,
+        "top_n_sigma": p.top_n_sigma > 0,
+        "xtc_probability": p.xtc_probability > 0 and p.xtc_threshold <= 0.5,
+        "repeat_penalty": p.repeat_last_n != 0 and p.repeat_penalty != 1.0,
+        "frequency_penalty": p.repeat_last_n != 0 and p.frequency_penalty != 0.0,
+        "presence_penalty": p.repeat_last_n != 0 and p.presence_penalty != 0.0,
+        "dry_multiplier": p.dry_multiplier != 0.0 and p.dry_penalty_last_n != 0,
+        "min_keep": p.min_keep > 1,
+        "samplers": tuple(p.samplers) != DEFAULT_SAMPLERS,
+    }
+    asked = [name for name, on in active.items() if on]
+    if asked:
+        return f"not supported by this engine's sampler yet: {', '.join(asked)}"
+    return None
 
 
 def _filtered_draw(vals, ids, sa: SamplingArrays, keys):

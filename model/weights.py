@@ -5,9 +5,11 @@ on a crafted header, so `load_weights` refuses to open a file unless the caller 
 
 Flow: `GGUFReader` memory-maps the file -> `Config.from_gguf` reads the keys -> every tensor is
 checked against the names this architecture uses (anything unexpected is refused, never ignored) and
-against the supported types -> each tensor is dequantized to f32 into its slot of a stacked
-[n_layer, ...] array (f32: XLA:CPU matmuls on narrow types are 10x slower, research/kernels.md §3c).
-Matrices keep GGUF's row layout, [out, in], and GGUF's tensor names become the field names.
+against the supported types -> each tensor goes into its slot of a stacked [n_layer, ...] array:
+dequantized to f32 (kernels.dequant), or, with `packed` (the default on CPU), kept as int8 codes with
+per-group constants (model/packed.py) when every layer's tensor is a block-quantized type -- the same
+values, at a third of the bytes a decode step streams. Matrices keep GGUF's row layout, [out, in],
+and GGUF's tensor names become the field names.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import numpy as np
 
 from kernels.dequant import check_supported, dequantize
 from model.config import Config, UnsupportedModel
+from model.packed import PACKABLE_TYPES, Packed, type_group, unpack_affine
 
 Array = jax.Array
+Matrix = Array | Packed  # f32 [out, in], or packed codes that expand to exactly the same values
 
 
 @jax.tree_util.register_dataclass
@@ -32,14 +36,14 @@ class Layer:
     """One transformer block; under `Weights.layers` every field is stacked: [n_layer, ...]."""
 
     attn_norm: Array  # [D]
-    attn_q: Array  # [H*Dh, D]
-    attn_k: Array  # [Hkv*Dh, D]
-    attn_v: Array  # [Hkv*Dh, D]
-    attn_output: Array  # [D, H*Dh]
+    attn_q: Matrix  # [H*Dh, D]
+    attn_k: Matrix  # [Hkv*Dh, D]
+    attn_v: Matrix  # [Hkv*Dh, D]
+    attn_output: Matrix  # [D, H*Dh]
     ffn_norm: Array  # [D]
-    ffn_gate: Array  # [F, D]
-    ffn_up: Array  # [F, D]
-    ffn_down: Array  # [D, F]
+    ffn_gate: Matrix  # [F, D]
+    ffn_up: Matrix  # [F, D]
+    ffn_down: Matrix  # [D, F]
     attn_q_bias: Array | None = None  # qwen2 (optional elsewhere)
     attn_k_bias: Array | None = None
     attn_v_bias: Array | None = None
@@ -53,10 +57,10 @@ class Layer:
 @jax.tree_util.register_dataclass
 @dataclass
 class Weights:
-    token_embd: Array  # [V, D]
+    token_embd: Matrix  # [V, D]
     output_norm: Array  # [D]
     layers: Layer
-    output: Array | None = None  # [V, D]; None: tied to token_embd (llama.cpp's TENSOR_DUPLICATED)
+    output: Matrix | None = None  # [V, D]; None: tied to token_embd (llama.cpp's TENSOR_DUPLICATED)
     rope_freqs: Array | None = None  # [n_rot/2] Llama 3.x rope factors: theta_i /= rope_freqs[i]
 
 
@@ -112,9 +116,10 @@ def tensor_array(tensor) -> np.ndarray:
     return np.asarray(dequantize(tensor.data, int(tensor.tensor_type), tensor.shape, name=tensor.name))
 
 
-def load_weights(path: str | os.PathLike, *, verified: bool) -> tuple[Config, Weights]:
+def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None = None) -> tuple[Config, Weights]:
     """Read config and weights from a GGUF that `bankml.verify.verify` accepted (`verified=True`).
 
+    packed: keep block-quantized matrices packed (model/packed.py); default: on the CPU backend.
     Raises `UnsupportedModel` / `UnsupportedTensorType` with the reason for anything we cannot run.
     """
     if not verified:
@@ -126,10 +131,12 @@ def load_weights(path: str | os.PathLike, *, verified: bool) -> tuple[Config, We
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:  # refuse a bad type before spending time on the others
         check_supported(int(t.tensor_type), t.name)
-    return config, _build(config, tensors)
+    if packed is None:
+        packed = jax.default_backend() == "cpu"
+    return config, _build(config, tensors, packed)
 
 
-def _build(config: Config, tensors: dict) -> Weights:
+def _build(config: Config, tensors: dict, packed: bool) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
     present: dict[str, int] = {}  # Layer field -> in how many blocks
@@ -156,22 +163,43 @@ def _build(config: Config, tensors: dict) -> Weights:
     gguf_name = {v: k for k, v in _LAYER_TENSORS.items()}
     stacked = {}
     for name in sorted(fields):
-        out = np.empty((config.n_layer, *shapes[name]), dtype=np.float32)
-        for il in range(config.n_layer):
-            out[il] = _checked(tensors[f"blk.{il}.{gguf_name[name]}"], shapes[name])
-        stacked[name] = jnp.asarray(out)
-        del out
+        blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
+        stacked[name] = _stack(blocks, shapes[name], packed)
 
     d, v = config.n_embd, config.n_vocab
     out_w = tensors.get("output.weight")
     rope_freqs = tensors.get("rope_freqs.weight")
     return Weights(
-        token_embd=jnp.asarray(_checked(tensors["token_embd.weight"], (v, d))),
+        token_embd=_unstack(_stack([tensors["token_embd.weight"]], (v, d), packed)),
         output_norm=jnp.asarray(_checked(tensors["output_norm.weight"], (d,))),
         layers=Layer(**stacked),
-        output=None if out_w is None else jnp.asarray(_checked(out_w, (v, d))),
+        output=None if out_w is None else _unstack(_stack([out_w], (v, d), packed)),
         rope_freqs=None if rope_freqs is None else jnp.asarray(_checked(rope_freqs, (config.n_rot // 2,))),
     )
+
+
+def _stack(tensors: list, shape: tuple[int, ...], packed: bool) -> Matrix:
+    """Per-layer tensors -> one [n, *shape] array, packed when asked and every tensor allows it."""
+    types = [int(t.tensor_type) for t in tensors]
+    if packed and len(shape) == 2 and all(t in PACKABLE_TYPES for t in types):
+        for t in tensors:
+            if tuple(int(n) for n in reversed(t.shape)) != shape:
+                raise UnsupportedModel(f"tensor {t.name!r} has shape {tuple(reversed(t.shape))}, expected {shape}")
+        group = min(type_group(t) for t in types)  # layers of a finer-grouped type set the group size
+        parts = [unpack_affine(t.data, int(t.tensor_type), *shape, group) for t in tensors]
+        offset = None
+        if any(p[2].any() for p in parts):
+            offset = jnp.asarray(np.stack([p[2] for p in parts]))
+        return Packed(jnp.asarray(np.stack([p[0] for p in parts])), jnp.asarray(np.stack([p[1] for p in parts])),
+                      offset)
+    out = np.empty((len(tensors), *shape), dtype=np.float32)
+    for i, t in enumerate(tensors):
+        out[i] = _checked(t, shape)
+    return jnp.asarray(out)
+
+
+def _unstack(m: Matrix) -> Matrix:
+    return jax.tree.map(lambda a: a[0], m)
 
 
 def _checked(tensor, shape: tuple[int, ...]) -> np.ndarray:

@@ -77,8 +77,7 @@ def test_end_of_generation_token_stops(engine):
     finally:
         engine.eog_ids = frozenset(engine.tokenizer.eog_ids)
     assert len(outs) == 1
-    assert (outs[0].token, outs[0].text, outs[0].finish_reason) == (first, "", FinishReason.STOP)
-    assert outs[0].completion_tokens == 1
+    assert (outs[0].token, outs[0].finish_reason, outs[0].completion_tokens) == (first, FinishReason.STOP, 1)
 
 
 def test_seeded_sampling_is_deterministic(engine):
@@ -121,6 +120,24 @@ def test_two_requests_share_the_batch(engine):
     assert engine.free_slots() == 2
 
 
+def test_stop_string_ends_the_generation(engine):
+    """Stops are the host side's (model/completion.py): the engine feeds it every token."""
+    prompt = _prompt(15, seed=8)
+    first = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6)))
+    at = next(i for i, o in enumerate(first) if i > 0 and o.text.isascii() and o.text)  # a plain-text token
+    before = "".join(o.text for o in first[:at])
+    assert first[at].text not in before
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=(first[at].text,))))
+    assert outs[-1].finish_reason is FinishReason.STOP and len(outs) == at + 1
+    assert "".join(o.text for o in outs) == before
+
+
+def test_unsupported_sampling_is_refused(engine):
+    with pytest.raises(EngineError, match="repeat_penalty, dry_multiplier"):
+        list(engine.generate(_prompt(4), SamplingParams(repeat_penalty=1.1, dry_multiplier=0.5)))
+    assert engine.free_slots() == 2
+
+
 def test_cancel_frees_the_slot(engine):
     out = engine.submit(GenerateRequest(_prompt(8), GREEDY, "x"))
     assert out.finish_reason is None and engine.active_requests() == ["x"]
@@ -149,12 +166,16 @@ def test_no_recompiles_after_warmup(tmp_path, caplog):
     assert compiles == []
 
 
+_sample_jit = jax.jit(sample)
+
+
 def _sample(logits, **kw):
     b = logits.shape[0]
-    defaults = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, n_probs=0)
-    defaults.update(kw)
-    sa = SamplingArrays(**{k: jnp.full((b,), v, jnp.uint32 if k == "seed" else None) for k, v in defaults.items()})
-    return np.asarray(sample(jnp.asarray(logits, jnp.float32), sa, jnp.arange(b, dtype=jnp.int32)))
+    values = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, n_probs=0) | kw
+    dtypes = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32, seed=np.uint32,
+                  n_probs=np.int32)
+    sa = SamplingArrays(**{k: np.full((b,), v, dtypes[k]) for k, v in values.items()})
+    return np.asarray(_sample_jit(np.asarray(logits, np.float32), sa, np.arange(b, dtype=np.int32)))
 
 
 def test_sampling_filters():

@@ -32,11 +32,28 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def tiny(request, tmp_path_factory):
-    path = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / f"{request.param}.gguf", **ARCHS[request.param])
-    config, weights = load_weights(path, verified=True)
-    return request.param, path, config, weights
+# The cache, chunking and batching tests exercise code that is the same for every architecture; they
+# run on the variants whose attention differs (plain, head_dim != n_embd/n_head, sliding window).
+CACHE_ARCHS = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, kwargs in ARCHS.items():
+        path = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / f"{name}.gguf", **kwargs)
+        out[name] = (name, path, *load_weights(path, verified=True))
+    return out
+
+
+@pytest.fixture(params=list(ARCHS))
+def tiny(request, models):
+    return models[request.param]
+
+
+@pytest.fixture(params=CACHE_ARCHS)
+def tiny_cache(request, models):
+    return models[request.param]
 
 
 def _tokens(n: int, seed: int = 1) -> np.ndarray:
@@ -122,9 +139,9 @@ def test_forward_matches_reference(tiny):
     _close(_full_logits(config, weights, tokens), _reference_logits(path, config, tokens), rtol=2e-5)
 
 
-def test_cache_decode_matches_full_forward(tiny):
+def test_cache_decode_matches_full_forward(tiny_cache):
     """Prefill 5 tokens, then decode 11 one at a time through the cache: same logits as one pass."""
-    _, _, config, weights = tiny
+    _, _, config, weights = tiny_cache
     tokens = _tokens(16, seed=2)
     full = _full_logits(config, weights, tokens)
     cache = init_cache(config, 2, 64)
@@ -140,9 +157,9 @@ def test_cache_decode_matches_full_forward(tiny):
     assert np.asarray(cache.lengths).tolist() == [0, 16]
 
 
-def test_chunked_prefill_matches_full_forward(tiny):
+def test_chunked_prefill_matches_full_forward(tiny_cache):
     """A prompt split into a padded first chunk and a second chunk that reads the cache."""
-    _, _, config, weights = tiny
+    _, _, config, weights = tiny_cache
     tokens = _tokens(20, seed=3)
     full = _full_logits(config, weights, tokens)
     cache = init_cache(config, 1, 64)
@@ -157,9 +174,9 @@ def test_chunked_prefill_matches_full_forward(tiny):
     assert int(cache.lengths[0]) == 20
 
 
-def test_batch_rows_are_independent(tiny):
+def test_batch_rows_are_independent(tiny_cache):
     """Two sequences of different lengths decoded in one batch give each one's logits alone."""
-    _, _, config, weights = tiny
+    _, _, config, weights = tiny_cache
     seqs = [_tokens(7, seed=4), _tokens(13, seed=5)]
     alone = [_full_logits(config, weights, s) for s in seqs]
     cache = init_cache(config, 2, 64)

