@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import ApiError
+from gateway.request_fields import gguf_defaults
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
 from model.tokenizer_gguf import gguf_fields
@@ -23,19 +24,20 @@ class NativeModel:
     tokenizer: Any  # encode(text, add_special, parse_special); bos_token, eos_token, add_bos, add_eos
     n_ctx: int
     chat_template: str | None
-    defaults: SamplingParams  # what /props reports; the GGUF's general.sampling.* come with issue 5
+    defaults: SamplingParams  # llama.cpp's defaults under the GGUF's general.sampling.* (and /props)
 
     @classmethod
     def of(cls, engine: Any, path: str | os.PathLike) -> NativeModel:
-        template = gguf_fields(path, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+        kv = gguf_fields(path, ("tokenizer.chat_template", "general.sampling."))
+        template = kv.get("tokenizer.chat_template")
         return cls(engine.tokenizer, int(engine.n_ctx), template if isinstance(template, str) else None,
-                   SamplingParams())
+                   gguf_defaults(kv))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation (llama-server's /apply-template); a template error is a 400."""
         tok = self.tokenizer
         try:
-            return render_chat(self.chat_template, messages, add_generation_prompt=True,
+            return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=tok.bos_token, eos_token=tok.eos_token,
                                add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos))
         except TemplateError as e:
@@ -44,6 +46,6 @@ class NativeModel:
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special, parse_special)]
 
-    def prompt(self, messages: list[dict]) -> list[int]:
+    def prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added)."""
-        return self.tokenize(self.render(messages), add_special=True, parse_special=True)
+        return self.tokenize(self.render(messages, add_generation_prompt), add_special=True, parse_special=True)

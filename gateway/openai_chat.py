@@ -1,37 +1,30 @@
-"""`POST /v1/chat/completions`: the request parsed once, and the answer written in OpenAI's shapes.
-
-Reading: `parse_chat(body)` turns the raw body into a `ChatRequest` or raises a 400 `ApiError` before
-any model work. Fields this engine does not honour yet are refused by name ("refuse, never
-approximate"); `UNSUPPORTED` lists them with their neutral values, which pass (issue 5 brings the
-sampler chain, stops and logprobs and takes them off the list).
+"""`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
+gateway/chat_request.py; `parse_messages` serves llama-server's /apply-template).
 
 Writing (serving.md §6, with the original's JSON style: `", "` and `": "` separators, key order as
 quoted there):
-- non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason"}], "created",
-  "model", "object": "chat.completion", "usage", "timings", "bankml_receipt"}`;
+- non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason",
+  ["logprobs": {"content": [...]}]}], "created", "model", "object": "chat.completion", "usage",
+  "timings", "bankml_receipt"}`;
 - streamed (SSE): one `chat.completion.chunk` per text piece, a final chunk with an empty delta, the
   finish_reason, `usage` and `timings.cache_n`, then `data: {"bankml_receipt": ...}`, then
-  `data: [DONE]`. No role delta (the original sends one only with logprobs).
+  `data: [DONE]`. With logprobs, a role delta goes first (when the first token completes its UTF-8,
+  as llama-server sends it), and each entry rides on the chunk its token's text makes.
+- a logprob entry (llama-server's `probs_vector_to_json`): `{"id", "token", "bytes", "logprob",
+  "top_logprobs": [{"id", "token", "bytes", "logprob"}]}`; `token` is the text the stop filter
+  released at that token, cut before a character its bytes leave unfinished; `bytes` are raw.
+- `usage` has llama-server's `prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from bankml import jstr
 from gateway.errors import ApiError
-from model.messages import SamplingParams, StepOutput
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    messages: list[dict]
-    stream: bool
-    params: SamplingParams
-    model: str | None
+from model.detokenizer import complete_utf8_len
+from model.messages import LogprobEntry, StepOutput
 
 
 def parse_json_body(body: bytes) -> Any:
@@ -39,43 +32,6 @@ def parse_json_body(body: bytes) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(400, "body is not JSON") from None
-
-
-def _absent(v: Any) -> bool:
-    return v is None
-
-
-# field -> is this value neutral (cannot change the answer)? Anything else is refused by name.
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "stop": lambda v: v is None or v == "" or v == [],
-    "logprobs": lambda v: v is None or v is False,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "grammar": _absent,
-    "json_schema": _absent,
-    "tools": lambda v: v is None or v == [],
-    "n": lambda v: v is None or v == 1,
-    "presence_penalty": lambda v: v is None or v == 0,
-    "frequency_penalty": lambda v: v is None or v == 0,
-    "repeat_penalty": lambda v: v is None or v == 1,
-    "typical_p": lambda v: v is None or v == 1,
-    "mirostat": lambda v: v is None or v == 0,
-    "dry_multiplier": lambda v: v is None or v == 0,
-    "xtc_probability": lambda v: v is None or v == 0,
-    "top_n_sigma": lambda v: v is None or v == -1,
-    "dynatemp_range": lambda v: v is None or v == 0,
-    "logit_bias": lambda v: v is None or v == {} or v == [],
-    "samplers": _absent,
-    "n_probs": lambda v: v is None or v == 0,
-}
-
-
-def _number(req: dict, name: str, default: float, integer: bool = False) -> float:
-    v = req.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or (integer and not float(v).is_integer()):
-        raise ApiError(400, f"'{name}' must be {'an integer' if integer else 'a number'}")
-    return int(v) if integer else float(v)
 
 
 def parse_messages(value: Any) -> list[dict]:
@@ -90,37 +46,6 @@ def parse_messages(value: Any) -> list[dict]:
             raise ApiError(400, f"messages[{i}].content must be a string (content parts are not supported yet)")
         out.append({**m, "content": content or ""})
     return out
-
-
-def parse_chat(body: bytes) -> ChatRequest:
-    req = parse_json_body(body)
-    if not isinstance(req, dict):
-        raise ApiError(400, "body is not a JSON object")
-    if req.get("top_logprobs") is not None and req.get("logprobs") is not True:
-        raise ApiError(400, "top_logprobs requires logprobs to be set to true")
-    for name, neutral in UNSUPPORTED.items():
-        if name in req and not neutral(req[name]):
-            raise ApiError(400, f"'{name}' is not supported by bankml serve --native yet")
-    messages = parse_messages(req.get("messages"))
-    stream = req.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean")
-    model = req.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string")
-    d = SamplingParams()
-    # max_tokens, else llama-server's n_predict; a negative or absent one means no limit (the original's rule)
-    limit = req.get("max_tokens", req.get("n_predict"))
-    max_tokens = int(limit) if isinstance(limit, int | float) and not isinstance(limit, bool) and limit >= 0 else -1
-    params = SamplingParams(
-        temperature=_number(req, "temperature", d.temperature),
-        top_k=_number(req, "top_k", d.top_k, integer=True),
-        top_p=_number(req, "top_p", d.top_p),
-        min_p=_number(req, "min_p", d.min_p),
-        seed=_number(req, "seed", d.seed, integer=True),
-        max_tokens=max_tokens,
-    )
-    return ChatRequest(messages, bool(stream), params, model)
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -141,13 +66,29 @@ def timings(out: StepOutput) -> dict:
 
 def usage(out: StepOutput) -> dict:
     return {"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
-            "total_tokens": out.completion_tokens + out.prompt_tokens}
+            "total_tokens": out.completion_tokens + out.prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
-def completion_body(text: str, last: StepOutput, created: int, model_id: str, receipt: dict) -> str:
+def _text(data: bytes) -> str:
+    # llama-server's `txt.resize(validate_utf8(txt))`; what is left invalid becomes U+FFFD on the wire
+    return data[:complete_utf8_len(data)].decode("utf-8", "replace")
+
+
+def logprob_entry(e: LogprobEntry) -> dict:
+    return {"id": e.token, "token": _text(e.text), "bytes": list(e.text), "logprob": e.logprob,
+            "top_logprobs": [{"id": t.token, "token": _text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
+                             for t in e.top]}
+
+
+def completion_body(text: str, last: StepOutput, created: int, model_id: str, receipt: dict,
+                    logprobs: list[dict] | None = None) -> str:
+    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                              "finish_reason": last.finish_reason.value}
+    if logprobs:  # llama-server writes the key only when there are entries
+        choice["logprobs"] = {"content": logprobs}
     return jstr.dumps({
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": last.finish_reason.value}],
+        "choices": [choice],
         "created": created,
         "model": model_id,
         "object": "chat.completion",
@@ -161,9 +102,13 @@ def _event(obj: dict) -> bytes:
     return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
 
 
-def chunk_event(piece: str, created: int, model_id: str) -> bytes:
-    return _event({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}],
-                   "created": created, "model": model_id, "object": "chat.completion.chunk"})
+def chunk_event(piece: str | None, created: int, model_id: str, logprobs: list[dict] | None = None) -> bytes:
+    """A content chunk; with `piece` None, the role delta that opens a stream with logprobs."""
+    delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+    if logprobs:
+        choice["logprobs"] = {"content": logprobs}
+    return _event({"choices": [choice], "created": created, "model": model_id, "object": "chat.completion.chunk"})
 
 
 def final_event(last: StepOutput, created: int, model_id: str) -> bytes:

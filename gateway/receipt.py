@@ -2,7 +2,9 @@
 
 With one, a client can check that the text it shows is the text this gateway produced from the
 verified file, for this request: `response_sha256` is the sha256 of the answer text exactly as sent
-(the message content, or the streamed deltas joined), `request_sha256` of the raw request body.
+(the message content, or the streamed deltas joined), `request_sha256` of the raw request body, and,
+when the answer has logprobs, `logprobs_sha256` of the `logprobs.content` array as this gateway writes
+it (a stream's entries gathered into one array, in the order sent).
 The times are whole milliseconds (the original's `as_millis`), counted from the moment the request
 was handed to the engine queue; `ttft_ms` is measured for non-streamed answers too. Receipts are not
 signed: they prove integrity between a client and its own bankml serve, not to a third party.
@@ -29,6 +31,7 @@ class Tally:
     pieces: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs_sha256: str | None = None  # set when the answer carries logprobs
 
     @classmethod
     def start(cls, body: bytes) -> Tally:
@@ -48,8 +51,12 @@ class Tally:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def logprobs(self, entries: list[dict]) -> None:
+        """The answer carries these logprob entries: the receipt hashes the array as written."""
+        self.logprobs_sha256 = hashlib.sha256(jstr.dumps(entries).encode("utf-8")).hexdigest()
+
     def receipt(self, engine: str, verified: Verified) -> dict:
-        return {
+        out = {
             "bankml": __version__,
             "engine": engine,
             "model_sha256": verified.model_sha256,
@@ -60,8 +67,11 @@ class Tally:
             "wall_ms": int((time.perf_counter() - self.t0) * 1e3),
             "response_sha256": text_sha256(self.text),
             "request_sha256": self.request_sha256,
-            "signed": False,
         }
+        if self.logprobs_sha256 is not None:
+            out["logprobs_sha256"] = self.logprobs_sha256
+        out["signed"] = False
+        return out
 
     def receipt_json(self, engine: str, verified: Verified) -> str:
         return jstr.dumps(self.receipt(engine, verified))

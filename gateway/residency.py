@@ -32,6 +32,8 @@ from bankml.verify import FileIdentity, Verified
 from gateway.engine_client import EngineClient
 from gateway.errors import ApiError
 from gateway.native_model import NativeModel
+from gateway.request_fields import gguf_defaults
+from model.tokenizer_gguf import gguf_fields
 
 log = logging.getLogger("bankml.gateway")
 
@@ -78,6 +80,9 @@ class Residency:
         self.resident: Loaded | None = None
         self.last: Loaded | None = None  # the most recent verification, for GET /bankml
         self._lock = asyncio.Lock()
+        # the request defaults (general.sampling.* from the verified header), read before any load so a
+        # bad request is refused before any model work
+        self.sampling_defaults = gguf_defaults(gguf_fields(gated.path, ("general.sampling.",)))
 
     @property
     def names(self) -> list[str]:

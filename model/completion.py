@@ -35,13 +35,14 @@ class _Vocab(Protocol):
 
 class Completion:
     def __init__(self, tokenizer: _Vocab, params: SamplingParams, *, n_prompt: int, n_ctx: int,
-                 eog_ids: Collection[int]):
+                 eog_ids: Collection[int], n_cached: int = 0):
         self._tokenizer = tokenizer
         self._stops = [s.encode("utf-8") for s in params.stop]  # "" too: it fires at once, as there
         self._max_tokens = params.max_tokens  # -1: no limit
         self._n_probs = params.n_probs
         self._eog = eog_ids
         self.n_prompt = n_prompt
+        self.n_cached = n_cached  # prompt tokens the slot already held (llama-server's cache_n)
         self.n_ctx = n_ctx
         self.n_generated = 0
         self._generated = bytearray()
@@ -58,7 +59,8 @@ class Completion:
         eog = token in self._eog
         piece = self._tokenizer.token_to_piece(token, False)
         self._generated += piece
-        out = StepOutput(token=token, prompt_tokens=self.n_prompt, completion_tokens=self.n_generated)
+        out = StepOutput(token=token, prompt_tokens=self.n_prompt, completion_tokens=self.n_generated,
+                         cached_tokens=self.n_cached)
         if self._n_probs > 0 and logprob is not None:
             out.logprob = logprob
             out.top_logprobs = [TokenLogprob(t, lp) for t, lp in top]

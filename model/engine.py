@@ -4,9 +4,15 @@ A request's life: `submit` puts its prompt in a free slot (chunked prefill, `ste
 the first sampled token; each `step` then runs one `steps.decode_step` for all slots at once (idle slots
 masked) and returns one `StepOutput` per live request, until each finishes: an end-of-generation token
 or a stop string ("stop"), max_tokens or a full context ("length"), or `cancel` ("abort"). Sampling
-runs on the device; text, stops and limits are the host side's, one `model.completion.Completion` per
+runs on the device (llama-server's chain, model/sampler_chain.py, with each slot's token row there for
+the penalties); text, stops and limits are the host side's, one `model.completion.Completion` per
 request. `generate` wraps this for one sequence. The engine thread of the gateway drives it; nothing
 here blocks on I/O.
+
+Prompt reuse (llama-server's `cache_prompt`, on by default): a slot keeps the KV of the tokens it
+last held (prompt and answer, less the last token, which is never decoded). A new prompt goes to the
+free slot sharing the longest prefix with it, and only the rest is prefilled; when the whole prompt
+matches, its last token is computed again for its logits. The prefix is reported as `cached_tokens`.
 
 Every compiled program is built by `warmup` (or on first use) from a fixed table of shapes, so no
 request, temperature or token ever triggers a compilation.
@@ -31,14 +37,16 @@ from model.config import Config
 from model.forward import forward
 from model.kvcache import KVCache, init_cache
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
-from model.sampling import N_PROBS_MAX, SamplingArrays, sampling_arrays, unsupported_sampling
-from model.steps import Sampled, decode_step, prefill, select
+from model.sampler_chain import ChainArrays, chain_arrays
+from model.sampling import N_PROBS_MAX, unsupported_sampling
+from model.steps import Sampled, decode_step, prefill, put_row, select
 from model.weights import Weights, load_weights
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # the largest prefill bucket; longer prompts run in chunks of this many tokens
 MIN_PREFILL_BUCKET = 16
+CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in this bucket
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 
 
@@ -48,6 +56,15 @@ class EngineError(ValueError):
 
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -80,7 +97,9 @@ class Engine:
         self.cache: KVCache = init_cache(config, n_slots, n_ctx)
         self._slots: list[_Slot | None] = [None] * n_slots
         self._next_tokens = np.zeros(n_slots, np.int32)
-        self._sa: SamplingArrays = sampling_arrays([None] * n_slots, [0] * n_slots)
+        self._sa: ChainArrays = chain_arrays([None] * n_slots, [0] * n_slots)
+        self._history = jnp.zeros((n_slots, n_ctx), jnp.int32)  # each slot's tokens, for the penalties
+        self._held: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose KV each slot holds
         self._compiled: dict[tuple, object] = {}
         self.compile_s = 0.0
 
@@ -134,7 +153,7 @@ class Engine:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows).
+        t rows), "row" (a prompt into the token history).
         """
         key = (kind, t, window)
         program = self._compiled.get(key)
@@ -148,10 +167,13 @@ class Engine:
             elif kind == "decode":
                 args = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
                 lowered = decode_step.lower(self.weights, self.cache, *args, config=self.config, window=window)
+            elif kind == "row":
+                lowered = put_row.lower(self._history, i32, jax.ShapeDtypeStruct((self.n_ctx,), jnp.int32))
             else:
                 sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), self._sa)
                 logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
-                lowered = select.lower(logits, sa, jax.ShapeDtypeStruct((t,), jnp.int32))
+                vec = jax.ShapeDtypeStruct((t,), jnp.int32)
+                lowered = select.lower(logits, sa, self._history, vec, vec, vec)
             program = lowered.compile()
             self._compiled[key] = program
             self.compile_s += time.perf_counter() - t0
@@ -161,10 +183,14 @@ class Engine:
         """Every program this engine can run: what `warmup` compiles."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets()]
         for w in self.window_buckets():
-            if self.n_ctx > PREFILL_CHUNK:
-                keys.append(("prefill", PREFILL_CHUNK, w))
+            keys += [("prefill", t, w) for t in sorted({CONTINUE_BUCKET, self._chunk()})]
             keys.append(("decode", 1, w))
-        return keys + [("select", 1, 0)] + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+        keys += [("row", 0, 0), ("select", 1, 0)]
+        return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+
+    def _chunk(self) -> int:
+        """The bucket of a prompt chunk that starts after cached cells."""
+        return self.prefill_buckets()[-1]
 
     def warmup(self, threads: int | None = None) -> float:
         """Compile every program this engine can use; returns the seconds spent (wall clock).
@@ -203,34 +229,56 @@ class Engine:
             raise EngineError(why)
         if None not in self._slots:
             raise EngineError("all slots are busy")
-        slot = self._slots.index(None)
+        slot, n_past = self._pick_slot(tokens, params.cache_prompt)
         # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1) asks for a random seed
         seed = params.seed & 0xFFFFFFFF
         seed = secrets.randbits(32) if seed == 0xFFFFFFFF else seed
         completion = Completion(self.tokenizer, params, n_prompt=len(tokens), n_ctx=self.n_ctx,
-                                eog_ids=self.eog_ids)
+                                eog_ids=self.eog_ids, n_cached=n_past)
         self._slots[slot] = _Slot(request, seed, completion)
-        self._sa = sampling_arrays([s.request.params if s else None for s in self._slots],
-                                   [s.seed if s else 0 for s in self._slots])
+        self._sa = chain_arrays([s.request.params if s else None for s in self._slots],
+                                [s.seed if s else 0 for s in self._slots])
         row_sa = jax.tree.map(lambda a: a[slot:slot + 1], self._sa)
         try:
-            return self._prefill(slot, tokens, row_sa)
+            return self._prefill(slot, tokens, n_past, row_sa)
         except BaseException:
             self._slots[slot] = None
+            self._held[slot] = []
             raise
 
-    def _prefill(self, slot: int, tokens: list[int], row_sa: SamplingArrays) -> StepOutput:
-        start, logits = 0, None
+    def _pick_slot(self, tokens: list[int], reuse: bool) -> tuple[int, int]:
+        """The free slot holding the longest prefix of `tokens`, and how many of them to keep."""
+        best, n_best = -1, -1
+        for i, s in enumerate(self._slots):
+            if s is None:
+                n = _common_prefix(self._held[i], tokens) if reuse else 0
+                if n > n_best:
+                    best, n_best = i, n
+        # the whole prompt held: its last token runs again, for the logits of the next one
+        return best, min(n_best, len(tokens) - 1)
+
+    def _prefill(self, slot: int, tokens: list[int], n_past: int, row_sa: ChainArrays) -> StepOutput:
+        row = np.zeros(self.n_ctx, np.int32)
+        row[:len(tokens)] = tokens
+        self._history = self._program("row", 0, 0)(self._history, np.int32(slot), row)
+        self._held[slot] = tokens[:n_past]
+        start, logits = n_past, None
         while start < len(tokens):
-            chunk = tokens[start:start + PREFILL_CHUNK]
-            t = PREFILL_CHUNK if start else _pow2_at_least(len(chunk), MIN_PREFILL_BUCKET)
+            if start == 0:
+                t = min(PREFILL_CHUNK, _pow2_at_least(len(tokens), MIN_PREFILL_BUCKET))
+            else:
+                t = CONTINUE_BUCKET if len(tokens) - start <= CONTINUE_BUCKET else self._chunk()
+            chunk = tokens[start:start + t]
             padded = np.zeros((1, t), np.int32)
             padded[0, :len(chunk)] = chunk
             program = self._program("prefill", t, self._window(start) if start else 0)
             self.cache, logits = program(self.weights, self.cache, padded, np.int32(slot), np.int32(start),
                                          np.array([len(chunk)], np.int32))
             start += len(chunk)
-        out = self._program("select", 1, 0)(logits, row_sa, np.zeros(1, np.int32))
+            self._held[slot] = tokens[:start]
+        out, self._history = self._program("select", 1, 0)(
+            logits, row_sa, self._history, np.array([slot], np.int32), np.array([len(tokens)], np.int32),
+            np.zeros(1, np.int32))
         return self._emit(slot, jax.device_get(out), 0)
 
     def step(self) -> list[tuple[str, StepOutput]]:
@@ -243,7 +291,12 @@ class Engine:
         n_cells = max(self._slots[i].n_prompt + self._slots[i].n_generated - 1 for i in live)
         self.cache, logits = self._program("decode", 1, self._window(n_cells))(
             self.weights, self.cache, self._next_tokens, active)
-        out = jax.device_get(self._program("select", self.n_slots, 0)(logits, self._sa, steps))
+        for i in live:
+            self._held[i].append(int(self._next_tokens[i]))
+        lengths = np.array([s.n_prompt + s.n_generated if s else 0 for s in self._slots], np.int32)
+        out, self._history = self._program("select", self.n_slots, 0)(
+            logits, self._sa, self._history, np.arange(self.n_slots, dtype=np.int32), lengths, steps)
+        out = jax.device_get(out)
         return [(self._slots[i].request.request_id, self._emit(i, out, i)) for i in live]
 
     def cancel(self, request_id: str) -> StepOutput | None:
@@ -282,6 +335,10 @@ class Engine:
         return step
 
     # --- tests and tools ------------------------------------------------------------------------
+
+    def held_tokens(self, slot: int = 0) -> list[int]:
+        """The tokens whose KV slot `slot` holds (what the next prompt can reuse)."""
+        return list(self._held[slot])
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits [T, V] for every position of `tokens`, one full forward pass in a scratch cache."""

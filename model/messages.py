@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(str, enum.Enum):  # noqa: UP042 (str() of a member must stay "FinishReason.X")
     STOP = "stop"  # an end-of-generation token or a stop string
     LENGTH = "length"  # max_tokens reached, or the context is full
     ABORT = "abort"  # the client went away or the request was cancelled

@@ -20,7 +20,8 @@ from jax import lax
 from model.config import Config
 from model.forward import forward
 from model.kvcache import KVCache
-from model.sampling import SamplingArrays, logprobs, sample
+from model.sampler_chain import ChainArrays, sample_chain
+from model.sampling import logprobs
 from model.weights import Weights
 
 
@@ -35,16 +36,26 @@ class Sampled:
     top_logprobs: jax.Array  # [B, N_PROBS_MAX] f32
 
 
-@jax.jit
-def select(logits: jax.Array, sa: SamplingArrays, steps: jax.Array) -> Sampled:
-    """Sample the next token of each row from logits [B, V] and report its logprobs.
+@partial(jax.jit, donate_argnames=("history",))
+def select(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Array, lengths: jax.Array,
+           steps: jax.Array) -> tuple[Sampled, jax.Array]:
+    """Sample the next token of slots `rows` [R] from their logits [R, V] through llama-server's
+    chain, report logprobs, and append the tokens to the slots' rows of `history` [B_slots, n_ctx]
+    (at `lengths` [R], the tokens each row holds: the penalties' window). `ca` holds R rows.
 
     Compiled apart from the forward programs: one sampler program per batch size serves every
     window bucket, which halves start-up compilation.
     """
-    tokens = sample(logits, sa, steps)
-    lp, top_ids, top_lp = logprobs(logits, tokens, sa)
-    return Sampled(tokens, lp, top_ids, top_lp)
+    tokens = sample_chain(logits, ca, history[rows], lengths, steps)
+    lp, top_ids, top_lp = logprobs(logits, tokens, ca)
+    history = history.at[rows, lengths].set(tokens, mode="drop")
+    return Sampled(tokens, lp, top_ids, top_lp), history
+
+
+@partial(jax.jit, donate_argnames=("history",))
+def put_row(history: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
+    """A new prompt's tokens into `history[slot]` (row [n_ctx], zero-padded)."""
+    return lax.dynamic_update_slice_in_dim(history, row[None], slot, 0)
 
 
 @partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))

@@ -1,10 +1,11 @@
 """Run the real gateway (gate, loopback rules, routes, receipts) over the fake engine, for tests.
 
     python tests/gateway_fake_server.py MODEL.gguf --fork F [--listen H:P] [--upstream H:P]
-        [--ctx N] [--step-ms MS] [--limits JSON] [--fail-load]
+        [--ctx N] [--step-ms MS] [--limits JSON] [--fail-load] [--replay]
 
 The model file is gated for real (guard, then the pin); only the engine is fake. --limits overrides
-keys of the [limits] table (e.g. short timeouts).
+keys of the [limits] table (e.g. short timeouts). --replay serves llama-server's recorded tokens
+through the real tokenizer and host side (tests/replay_engine.py; MODEL must be SmolLM2).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def main(argv: list[str]) -> int:
         return 2
     step_s = float(opt(args, "--step-ms") or 2) / 1e3
     loader = fake_loader(options.ctx, step_s)
+    if "--replay" in args:
+        from replay_engine import replay_loader
+
+        loader = replay_loader(n_ctx=options.ctx)
     if "--fail-load" in args:
         def loader(path: str):
             raise RuntimeError("the fake engine cannot load this")

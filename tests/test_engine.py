@@ -12,7 +12,6 @@ from tiny_gguf import write_tiny_gguf
 
 from model.engine import Engine, EngineError
 from model.messages import FinishReason, GenerateRequest, SamplingParams
-from model.sampling import SamplingArrays, sample
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -133,9 +132,50 @@ def test_stop_string_ends_the_generation(engine):
 
 
 def test_unsupported_sampling_is_refused(engine):
-    with pytest.raises(EngineError, match="repeat_penalty, dry_multiplier"):
-        list(engine.generate(_prompt(4), SamplingParams(repeat_penalty=1.1, dry_multiplier=0.5)))
+    with pytest.raises(EngineError, match="mirostat, dry_multiplier"):
+        list(engine.generate(_prompt(4), SamplingParams(mirostat=2, dry_multiplier=0.5)))
     assert engine.free_slots() == 2
+
+
+def test_penalties_see_the_prompt_and_the_answer(engine):
+    """A presence penalty larger than any logit gap: greedy never picks a token already in the row."""
+    prompt = _prompt(12, seed=9)
+    plain = _tokens(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16)))
+    params = SamplingParams(temperature=0.0, max_tokens=16, repeat_last_n=4096, presence_penalty=1e4)
+    outs = _tokens(engine.generate(prompt, params))
+    assert outs != plain
+    seen = list(prompt)
+    for t in outs:
+        assert t not in seen
+        seen.append(t)
+    # a window of 0 turns the penalties off
+    assert _tokens(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, repeat_last_n=0,
+                                                          presence_penalty=1e4))) == plain
+
+
+def test_the_chain_samples_on_the_device_for_every_parameter(engine):
+    prompt = _prompt(10, seed=10)
+    for kw in (dict(typical_p=0.8), dict(top_n_sigma=1.5), dict(xtc_probability=0.5, xtc_threshold=0.1),
+               dict(dynatemp_range=0.5), dict(min_keep=3, top_p=0.1), dict(frequency_penalty=0.5)):
+        a = _tokens(engine.generate(prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=6, **kw)))
+        assert a == _tokens(engine.generate(prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=6, **kw)))
+
+
+def test_a_prompt_that_shares_a_prefix_reuses_the_slot(engine):
+    """The same answer with or without reuse; the reused prefix is reported as cached tokens."""
+    prompt = _prompt(50, seed=11)
+    first = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)))
+    assert first[-1].cached_tokens < 50
+    slot = next(i for i in range(engine.n_slots) if engine.held_tokens(i)[:50] == prompt)
+    assert engine.held_tokens(slot) == prompt + _tokens(first)[:-1]  # the last token is never decoded
+    again = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)))
+    assert _tokens(again) == _tokens(first) and again[-1].cached_tokens == 49  # the last runs again
+    longer = prompt + _tokens(first)[:-1] + _prompt(20, seed=12)
+    reused = list(engine.generate(longer, SamplingParams(temperature=0.0, max_tokens=4)))
+    assert reused[-1].cached_tokens == 54
+    cold = list(engine.generate(longer, SamplingParams(temperature=0.0, max_tokens=4, cache_prompt=False)))
+    assert cold[-1].cached_tokens == 0 and _tokens(cold) == _tokens(reused)
+    assert _tokens(reused) == _greedy_by_full_forward(engine, longer, 4)
 
 
 def test_cancel_frees_the_slot(engine):
@@ -158,43 +198,17 @@ def test_no_recompiles_after_warmup(tmp_path, caplog):
             caplog.clear()
             for i, params in enumerate([GREEDY, SamplingParams(temperature=0.7, seed=1, n_probs=3),
                                         SamplingParams(temperature=1.3, top_k=0, top_p=0.5, seed=2),
-                                        SamplingParams(temperature=0.2, top_k=5, min_p=0.2, max_tokens=4)]):
+                                        SamplingParams(temperature=0.2, top_k=5, min_p=0.2, max_tokens=4),
+                                        SamplingParams(temperature=0.8, repeat_penalty=1.3, typical_p=0.9,
+                                                       xtc_probability=0.5, max_tokens=3)]):
                 list(engine.generate(_prompt(3 + 40 * i, seed=i), params))
+            prompt = _prompt(30, seed=9)  # then the same prompt grown: the rest runs after the reused cells
+            first = _tokens(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3)))
+            list(engine.generate(prompt + first[:-1] + _prompt(100, seed=10), GREEDY))
             compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     finally:
         jax.config.update("jax_log_compiles", False)
     assert compiles == []
-
-
-_sample_jit = jax.jit(sample)
-
-
-def _sample(logits, **kw):
-    b = logits.shape[0]
-    values = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, n_probs=0) | kw
-    dtypes = dict(temperature=np.float32, top_k=np.int32, top_p=np.float32, min_p=np.float32, seed=np.uint32,
-                  n_probs=np.int32)
-    sa = SamplingArrays(**{k: np.full((b,), v, dtypes[k]) for k, v in values.items()})
-    return np.asarray(_sample_jit(np.asarray(logits, np.float32), sa, np.arange(b, dtype=np.int32)))
-
-
-def test_sampling_filters():
-    rng = np.random.default_rng(0)
-    logits = np.tile(rng.standard_normal(300), (64, 1))  # 64 draws from one distribution
-    best = int(np.argmax(logits[0]))
-    order = np.argsort(-logits[0])
-    assert (_sample(logits, temperature=0.0) == best).all()
-    assert (_sample(logits, top_k=1) == best).all()
-    assert (_sample(logits, top_p=1e-6) == best).all()
-    assert (_sample(logits, min_p=1.0) == best).all()
-    assert set(_sample(logits, top_k=3, temperature=5.0)) <= set(order[:3].tolist())
-    many = _sample(logits, top_k=0, temperature=5.0)  # full-sort path: spreads over the vocabulary
-    assert len(set(many)) > 20
-    # top-p keeps the smallest prefix reaching p: with two dominant tokens, p=0.5 keeps one or both
-    two = np.full((64, 300), -20.0)
-    two[:, 10], two[:, 20] = 1.0, 0.9
-    assert set(_sample(two, top_p=0.4)) == {10}
-    assert set(_sample(two, top_p=0.9)) == {10, 20}
 
 
 @pytest.mark.slow

@@ -1,0 +1,266 @@
+"""`POST /v1/chat/completions`: the body read once, as llama-server reads it, before any model work.
+
+`parse_chat(body, defaults)`, in llama-server's order (b11434):
+1. the JSON itself (nlohmann's parse error, 400);
+2. the OpenAI layer (tools/server/server-common.cpp, `oaicompat_chat_params_parse`): `stop` as a
+   string or an array, json_schema against grammar, `response_format`, the messages and their content
+   parts, `logprobs`/`top_logprobs` (default 20, `top_logprobs` alone refused), then every other key
+   passed through (`n_predict` over `max_tokens`);
+3. llama-server's field table and its sampler set-up (gateway/request_fields.py);
+4. ours: a value this engine cannot honour is a 400 naming the field (`refuse_unsupported`).
+Messages, statuses and error types are llama-server's, recorded in tests/fixtures/parity_smollm2.json
+(tests/test_parity.py); a few of its refusals are 500s (`server_error`), and so are ours.
+
+One difference in order: llama-server renders the template inside step 2, so a template error comes
+before a bad field there; here the template renders after the model is acquired (chat_route.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from gateway.errors import ApiError
+from gateway.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
+from gateway.request_fields import N_PROBS_MAX, read_fields
+from model.messages import DEFAULT_SAMPLERS, SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict]  # {"role", "content": str} (text parts joined), for the template
+    stream: bool
+    params: SamplingParams
+    model: str | None
+    add_generation_prompt: bool = True
+
+
+def bad(message: str) -> ApiError:
+    """llama-server's std::invalid_argument: 400 invalid_request_error."""
+    return ApiError(400, message)
+
+
+def failed(message: str) -> ApiError:
+    """llama-server's other exceptions (std::runtime_error): 500 server_error."""
+    return ApiError(500, message)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"invalid literal {name}")
+
+
+def parse_body(body: bytes) -> Any:
+    """The body as nlohmann parses it: NaN and Infinity are not JSON."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise bad(f"[json.exception.parse_error.101] parse error at line {e.lineno}, column {e.colno}: "
+                  f"syntax error while parsing value - {e.msg}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad(f"[json.exception.parse_error.101] parse error: {e}") from None
+
+
+# --- 2. the OpenAI layer -------------------------------------------------------------------------
+
+_MEDIA = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+
+
+def _content_text(parts: list) -> str:
+    for p in parts:
+        kind = json_value(p, "type", "", get_string)
+        if kind in _MEDIA:
+            raise failed(f"{_MEDIA[kind]} input is not supported - hint: if this is unexpected, you may need "
+                         "to provide the mmproj")
+        if kind != "text":
+            raise bad("unsupported content[].type")
+    # common_chat_msg::to_json_oaicompat for a template that reads a string: text parts, one per line
+    text = ""
+    for p in parts:
+        if "text" not in p:
+            raise failed("Failed to parse messages: [json.exception.out_of_range.403] key 'text' not found")
+        try:
+            piece = get_string(p["text"])
+        except JsonTypeError as e:
+            raise failed(f"Failed to parse messages: {e}") from None
+        text = text + "\n" + piece if text else piece
+    return text
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """llama-server's checks of `messages`, then common_chat_msgs_parse_oaicompat's; the template's list."""
+    if not isinstance(messages, list):
+        raise bad("Expected 'messages' to be an array")
+    for msg in messages:
+        role = json_value(msg, "role", "", get_string)
+        has = isinstance(msg, dict) and "content" in msg
+        if role != "assistant" and not has:
+            raise bad("All non-assistant messages must contain 'content'")
+        if role == "assistant" and not has and "tool_calls" not in msg:
+            raise bad("Assistant message must contain either 'content' or 'tool_calls'!")
+        content = msg.get("content") if has else None
+        if has and content is not None and not isinstance(content, str | list):
+            raise bad("Expected 'content' to be a string or an array")
+    out = []
+    for msg in messages:
+        if "role" not in msg:
+            raise failed(f"Failed to parse messages: Missing 'role' in message: {dump(msg)}")
+        try:
+            role = get_string(msg["role"])
+        except JsonTypeError as e:
+            raise failed(f"Failed to parse messages: {e}") from None
+        content = msg.get("content")
+        text = _content_text(content) if isinstance(content, list) else content or ""
+        out.append({"role": role, "content": text, **({"tool_calls": msg["tool_calls"]} if "tool_calls" in msg else {})})
+    if len(out) >= 2 and out[-1]["role"] == "assistant" and out[-2]["role"] == "assistant":
+        raise bad("Cannot have 2 or more assistant messages at the end of the list.")
+    return out
+
+
+def openai_layer(body: Any) -> tuple[dict, list[dict]]:
+    """oaicompat_chat_params_parse: llama-server's params from an OpenAI body, and the messages."""
+    params: dict[str, Any] = {}
+    tools = json_value(body, "tools", None)
+    has_tools = isinstance(tools, list) and bool(tools)
+    stream = json_value(body, "stream", False, get_bool)
+    stop = body.get("stop") if isinstance(body, dict) else None
+    params["stop"] = [stop] if isinstance(stop, str) else json_value(body, "stop", [])
+    json_schema = json_value(body, "json_schema", None)
+    grammar = json_value(body, "grammar", "", get_string)
+    if json_schema is not None and grammar:
+        raise failed("Cannot use both json_schema and grammar")
+    if isinstance(body, dict) and "response_format" in body:
+        rf = json_value(body, "response_format", {})
+        kind = json_value(rf, "type", "", get_string)
+        if kind and kind not in ("text", "json_object", "json_schema"):
+            raise bad(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+        if kind in ("json_object", "json_schema"):
+            params["response_format"] = rf
+    if not isinstance(body, dict) or "messages" not in body:
+        raise bad("'messages' is required")
+    messages = check_messages(body["messages"])
+    if has_tools and json_value(body, "tool_choice", "auto", get_string) != "none" and "grammar" in body:
+        raise bad("Cannot use custom grammar constraints with tools.")
+    if json_value(body, "logprobs", False, get_bool):
+        if has_tools and stream:
+            raise bad("logprobs is not supported with tools + stream")
+        params["n_probs"] = json_value(body, "top_logprobs", 20, get_int)
+    elif has_value(body, "top_logprobs"):
+        raise bad("top_logprobs requires logprobs to be set to true")
+    # llama-server's own keys win over the request's (the template decides them), n_predict excepted
+    params.update(chat_format=0, grammar_lazy=False, grammar_triggers=[], preserved_tokens=[],
+                  generation_prompt="")
+    for key, value in body.items():
+        if key not in params or key == "n_predict":
+            params[key] = value
+    return params, messages
+
+
+# --- 4. ours -------------------------------------------------------------------------------------
+
+# request field -> why ignoring it cannot change the answer (the report's "ignored" column)
+IGNORED = {
+    "model": "one model is served; a name that is not it is a 404 before this",
+    "stream_options": "the final chunk always carries usage (serving.md §6)",
+    "return_tokens": "only llama-server's /completion shape has `tokens`",
+    "response_fields": "only llama-server's /completion shape reads it",
+    "sse_ping_interval": "pings are SSE comments, not part of the answer",
+    "n_keep": "no context shift: a prompt that does not fit is refused",
+    "n_discard": "no context shift",
+    "mirostat_tau": "read only by mirostat, which is refused",
+    "mirostat_eta": "read only by mirostat, which is refused",
+    "adaptive_target": "read only by the adaptive-p sampler, which needs a custom `samplers` (refused)",
+    "adaptive_decay": "read only by the adaptive-p sampler, which needs a custom `samplers` (refused)",
+    "backend_sampling": "where the sampler runs, not what it draws",
+    "id_slot": "one slot",
+    "user": "llama-server ignores it too",
+    "metadata": "llama-server ignores it too",
+    "store": "llama-server ignores it too",
+    "service_tier": "llama-server ignores it too",
+    "parallel_tool_calls": "read only with tools, which are refused",
+    "tool_choice": "read only with tools, which are refused",
+    "grammar_lazy": "set by llama-server itself from the template",
+    "chat_format": "set by llama-server itself from the template",
+    "generation_prompt": "set by llama-server itself from the template",
+    "grammar_triggers": "set by llama-server itself from the template",
+    "preserved_tokens": "set by llama-server itself from the template",
+}
+
+
+def _not_supported(name: str) -> ApiError:
+    return bad(f"'{name}' is not supported by bankml serve --native yet")
+
+
+def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
+    """What llama-server would honour and this engine cannot: a 400 naming the field."""
+    # the field that set n_probs: top_logprobs (with logprobs), else n_probs, else a numeric logprobs
+    probs_field = "top_logprobs" if has_value(request, "top_logprobs") else \
+        "n_probs" if has_value(request, "n_probs") else "logprobs"
+    checks = (
+        (probs_field, p["n_probs"] > N_PROBS_MAX, f"at most {N_PROBS_MAX} top logprobs per token"),
+        ("mirostat", p["mirostat"] != 0, None),
+        ("samplers", p["samplers"] != DEFAULT_SAMPLERS, "only llama-server's default order"),
+        ("dry_multiplier", p["dry_multiplier"] != 0.0 and p["dry_penalty_last_n"] != 0, None),
+        ("logit_bias", not _empty_bias(p.get("logit_bias")), None),
+        ("ignore_eos", p.get("ignore_eos") is True, None),
+        ("grammar", "grammar" in p, None),
+        ("json_schema", "json_schema" in p, None),
+        ("response_format", "response_format" in p, None),
+        ("tools", isinstance(request.get("tools"), list) and bool(request["tools"]), None),
+        ("verbose", p.get("verbose") is True, None),
+        ("timings_per_token", p.get("timings_per_token") is True, None),
+        ("return_progress", p.get("return_progress") is True, None),
+        ("post_sampling_probs", p.get("post_sampling_probs") is True, None),
+        ("n_indent", p.get("n_indent", 0) > 0, None),
+        ("n_cache_reuse", p.get("n_cache_reuse", 0) > 0, None),
+        ("t_max_predict_ms", p.get("t_max_predict_ms", -1) > 0, None),
+        ("lora", bool(p.get("lora")), None),
+        ("echo", p.get("echo") is True, None),
+        ("continue_final_message", has_value(request, "continue_final_message")
+         and request["continue_final_message"] is not False, None),
+        ("chat_template_kwargs", bool(json_value(request, "chat_template_kwargs", {})), None),
+        ("reasoning_format", p.get("reasoning_format", "none") not in ("none", "auto"), None),
+        ("reasoning_effort", has_value(request, "reasoning_effort"), None),
+        ("reasoning_budget_tokens", p.get("reasoning_budget_tokens", -1) >= 0, None),
+        ("reasoning_control", p.get("reasoning_control") is True, None),
+        ("chat_parser", bool(p.get("chat_parser")), None),
+    )
+    for name, refused, why in checks:
+        if refused:
+            if why:
+                raise bad(f"'{name}' is not supported by bankml serve --native: {why}")
+            raise _not_supported(name)
+    if any("tool_calls" in m for m in messages):
+        raise bad("'tool_calls' in messages is not supported by bankml serve --native yet")
+    if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
+        raise bad("a final assistant message (continuing it) is not supported by bankml serve --native yet")
+
+
+def _empty_bias(v: Any) -> bool:
+    """No entry llama-server would apply (it skips malformed ones; a 0 bias changes nothing)."""
+    def applies(bias: Any) -> bool:
+        return bias is False or (isinstance(bias, int | float) and not isinstance(bias, bool) and bias != 0)
+
+    if isinstance(v, list):
+        return not any(isinstance(e, list) and len(e) == 2 and applies(e[1]) for e in v)
+    if isinstance(v, dict):
+        return not any(applies(b) for b in v.values())
+    return True
+
+
+_SAMPLING = {f.name for f in fields(SamplingParams)}
+
+
+def parse_chat(body: bytes, defaults: SamplingParams | None = None) -> ChatRequest:
+    """The request checked as llama-server checks it, then against what this engine does."""
+    request = parse_body(body)
+    params, messages = openai_layer(request)
+    p = read_fields(params, defaults or SamplingParams())
+    refuse_unsupported(p, request, messages)
+    model = request.get("model")
+    if model is not None and not isinstance(model, str):
+        model = None  # llama-server never reads it; a single-model server answers whatever it names
+    sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
+    add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
+    return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt)
+
