@@ -22,16 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from sanic import Sanic
-from sanic.exceptions import NotFound
 
 from bankml import __version__
 from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
-from gateway.errors import GatewayErrorHandler
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.residency import Loader, Residency
+from gateway.sanic_app import bind, sanic_app
 from gpu_monitor import limiter
 from model import device_budget
 from model.engine_thread import EngineThread
@@ -76,42 +75,11 @@ class GatewayState:
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve") -> Sanic:
-    app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(routes_text()))
-    app.config.update({
-        "REQUEST_MAX_SIZE": limits.max_body_bytes,
-        "REQUEST_TIMEOUT": limits.read_timeout_s,  # idle time while a body is read (restarts at each byte)
-        "KEEP_ALIVE": False,  # one request per connection; every answer says Connection: close
-        "KEEP_ALIVE_TIMEOUT": limits.read_timeout_s,
-        # no whole-response limit: an answer is bounded by the context, a blocked write by write_timeout_s
-        "RESPONSE_TIMEOUT": 365 * 24 * 3600,
-        "GRACEFUL_SHUTDOWN_TIMEOUT": 2.0,
-        "ACCESS_LOG": False,
-        "NOISY_EXCEPTIONS": False,
-        "MOTD": False,
-        "FALLBACK_ERROR_FORMAT": "text",
-    })
-    app.ctx.state = state
-
-    async def dispatch(request, path: str = ""):
-        target = request.raw_url.decode("latin-1")
-        handler = ROUTES.get((request.method, target))
-        if handler is None:
-            raise NotFound()
-        return await handler(request, app.ctx.state)
-
-    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]
-    app.add_route(dispatch, "/", methods=methods, name="root")
-    app.add_route(dispatch, "/<path:path>", methods=methods, name="dispatch")
-    return app
+    return sanic_app(name, limits, ROUTES, routes_text(), state)
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
 
 
 def native_loader(n_ctx: int, n_slots: int) -> Loader:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -31,15 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from sanic import HTTPResponse, Sanic
-from sanic.exceptions import NotFound
 
 from bankml import __version__, jstr
 from bankml.serve import GatedModel, Refusal, ServeOptions
 from gateway import monitor_routes
-from gateway.errors import ApiError, GatewayErrorHandler, json_response
+from gateway.errors import ApiError, json_response
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.p0_chat import chat_completions
+from gateway.sanic_app import bind, sanic_app
 from gateway.spawn import SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
 from gateway.upstream import (
     MAX_UPSTREAM_BODY_BYTES,
@@ -136,30 +135,7 @@ ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients 
 
 
 def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0") -> Sanic:
-    app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(ROUTES_TEXT))
-    app.config.update({
-        "REQUEST_MAX_SIZE": limits.max_body_bytes,
-        "REQUEST_TIMEOUT": limits.read_timeout_s,
-        "KEEP_ALIVE": False,  # one request per connection; every answer says Connection: close
-        "KEEP_ALIVE_TIMEOUT": limits.read_timeout_s,
-        "RESPONSE_TIMEOUT": 365 * 24 * 3600,  # an answer is as long as llama-server takes; writes are bounded
-        "GRACEFUL_SHUTDOWN_TIMEOUT": 2.0,
-        "ACCESS_LOG": False,
-        "NOISY_EXCEPTIONS": False,
-        "MOTD": False,
-        "FALLBACK_ERROR_FORMAT": "text",
-    })
-    app.ctx.state = state
-
-    async def dispatch(request, path: str = ""):
-        handler = ROUTES.get((request.method, request.raw_url.decode("latin-1")))
-        if handler is None:
-            raise NotFound()
-        return await handler(request, app.ctx.state)
-
-    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]
-    app.add_route(dispatch, "/", methods=methods, name="root")
-    app.add_route(dispatch, "/<path:path>", methods=methods, name="dispatch")
+    app = sanic_app(name, limits, ROUTES, ROUTES_TEXT, state)
 
     @app.before_server_start
     async def open_upstream(app):
@@ -179,12 +155,6 @@ def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0") -> Sa
 
 
 # --- start-up ----------------------------------------------------------------------------------
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The --listen socket (as gateway.app binds its own; P0 does not import the native stack)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=128)
 
 
 def _refuse(why: str) -> int:

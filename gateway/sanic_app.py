@@ -1,0 +1,54 @@
+"""The Sanic app both gateways share: one route table dispatched on the exact raw path, the limits of
+`[limits]`, and one error handler. The native gateway (app.py) and P0 (p0.py) differ only in their
+routes and their start/stop hooks.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sanic import Sanic
+from sanic.exceptions import NotFound
+
+from gateway.errors import GatewayErrorHandler
+from gateway.loopback import Limits
+
+Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler], routes_text: str,
+              state: Any) -> Sanic:
+    app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(routes_text))
+    app.config.update({
+        "REQUEST_MAX_SIZE": limits.max_body_bytes,
+        "REQUEST_TIMEOUT": limits.read_timeout_s,  # idle time while a body is read (restarts at each byte)
+        "KEEP_ALIVE": False,  # one request per connection; every answer says Connection: close
+        "KEEP_ALIVE_TIMEOUT": limits.read_timeout_s,
+        # no whole-response limit: an answer is bounded by the context, a blocked write by write_timeout_s
+        "RESPONSE_TIMEOUT": 365 * 24 * 3600,
+        "GRACEFUL_SHUTDOWN_TIMEOUT": 2.0,
+        "ACCESS_LOG": False,
+        "NOISY_EXCEPTIONS": False,
+        "MOTD": False,
+        "FALLBACK_ERROR_FORMAT": "text",
+    })
+    app.ctx.state = state
+
+    async def dispatch(request, path: str = ""):
+        # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404 (gate.md §5)
+        handler = routes.get((request.method, request.raw_url.decode("latin-1")))
+        if handler is None:
+            raise NotFound()
+        return await handler(request, app.ctx.state)
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD"]
+    app.add_route(dispatch, "/", methods=methods, name="root")
+    app.add_route(dispatch, "/<path:path>", methods=methods, name="dispatch")
+    return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
