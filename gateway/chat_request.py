@@ -200,7 +200,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         (probs_field, p["n_probs"] > N_PROBS_MAX, f"at most {N_PROBS_MAX} top logprobs per token"),
         ("mirostat", p["mirostat"] != 0, None),
         ("samplers", p["samplers"] != DEFAULT_SAMPLERS, "only llama-server's default order"),
-        ("dry_multiplier", p["dry_multiplier"] != 0.0 and p["dry_penalty_last_n"] != 0, None),
         ("logit_bias", not _empty_bias(p.get("logit_bias")), None),
         ("ignore_eos", p.get("ignore_eos") is True, None),
         ("grammar", "grammar" in p, None),

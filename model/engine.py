@@ -34,6 +34,7 @@ import numpy as np
 
 from model.completion import Completion
 from model.config import Config
+from model.dry import RestartSequences, dry_bias, dry_enabled, restart_sequences
 from model.forward import forward
 from model.kvcache import KVCache, init_cache
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
@@ -101,6 +102,8 @@ class Engine:
         self._history = jnp.zeros((n_slots, n_ctx), jnp.int32)  # each slot's tokens, for the penalties
         self._held: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose KV each slot holds
         self._compiled: dict[tuple, object] = {}
+        self._pieces: list[bytes] | None = None  # each token's text, for DRY's breakers
+        self._dry_restarts: dict[tuple[str, ...], RestartSequences] = {}
         self.compile_s = 0.0
 
     # --- construction -------------------------------------------------------------------------
@@ -173,7 +176,7 @@ class Engine:
                 sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), self._sa)
                 logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
                 vec = jax.ShapeDtypeStruct((t,), jnp.int32)
-                lowered = select.lower(logits, sa, self._history, vec, vec, vec)
+                lowered = select.lower(logits, sa, self._history, vec, vec, vec, logits)
             program = lowered.compile()
             self._compiled[key] = program
             self.compile_s += time.perf_counter() - t0
@@ -278,7 +281,7 @@ class Engine:
             self._held[slot] = tokens[:start]
         out, self._history = self._program("select", 1, 0)(
             logits, row_sa, self._history, np.array([slot], np.int32), np.array([len(tokens)], np.int32),
-            np.zeros(1, np.int32))
+            np.zeros(1, np.int32), self._dry_bias([slot]))
         return self._emit(slot, jax.device_get(out), 0)
 
     def step(self) -> list[tuple[str, StepOutput]]:
@@ -295,7 +298,8 @@ class Engine:
             self._held[i].append(int(self._next_tokens[i]))
         lengths = np.array([s.n_prompt + s.n_generated if s else 0 for s in self._slots], np.int32)
         out, self._history = self._program("select", self.n_slots, 0)(
-            logits, self._sa, self._history, np.arange(self.n_slots, dtype=np.int32), lengths, steps)
+            logits, self._sa, self._history, np.arange(self.n_slots, dtype=np.int32), lengths, steps,
+            self._dry_bias(range(self.n_slots)))
         out = jax.device_get(out)
         return [(self._slots[i].request.request_id, self._emit(i, out, i)) for i in live]
 
@@ -320,6 +324,31 @@ class Engine:
                 yield out
         finally:
             self.cancel(request_id)
+
+    def _dry_bias(self, slots) -> np.ndarray:
+        """[len(slots), V] f32: DRY's penalties for the slots that ask for it, zeros elsewhere."""
+        slots = list(slots)
+        bias = np.zeros((len(slots), self.config.n_vocab), np.float32)
+        for row, i in enumerate(slots):
+            s = self._slots[i]
+            if s is None:
+                continue
+            p = s.request.params
+            if not dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n):
+                continue
+            last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
+            bias[row] = dry_bias(self._held[i], p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+                                 self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
+        return bias
+
+    def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
+        """The breakers' restart sequences, built once per breaker list (a pass over the vocabulary)."""
+        if breakers not in self._dry_restarts:
+            if self._pieces is None:
+                self._pieces = [self.tokenizer.token_to_piece(t, True) for t in range(self.tokenizer.n_vocab)]
+            self._dry_restarts[breakers] = restart_sequences(
+                breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False))
+        return self._dry_restarts[breakers]
 
     def _emit(self, slot: int, out: Sampled, row: int) -> StepOutput:
         """Turn row `row` of a step's result into the slot's StepOutput; free the slot when it finishes."""

@@ -21,7 +21,6 @@ def unsupported_sampling(p: SamplingParams) -> str | None:
     """The reason this sampler cannot honour `p`, or None. Refuse, never approximate (spec README)."""
     active = {
         "mirostat": p.mirostat != 0,
-        "dry_multiplier": p.dry_multiplier != 0.0 and p.dry_penalty_last_n != 0,
         "samplers": tuple(p.samplers) != DEFAULT_SAMPLERS,
     }
     asked = [name for name, on in active.items() if on]

@@ -132,7 +132,7 @@ def test_stop_string_ends_the_generation(engine):
 
 
 def test_unsupported_sampling_is_refused(engine):
-    with pytest.raises(EngineError, match="mirostat, dry_multiplier"):
+    with pytest.raises(EngineError, match="mirostat"):
         list(engine.generate(_prompt(4), SamplingParams(mirostat=2, dry_multiplier=0.5)))
     assert engine.free_slots() == 2
 
