@@ -10,13 +10,10 @@ order and the unit of `power_limit` (W, or µW in some versions) is decided by p
 
 from __future__ import annotations
 
-import atexit
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
-from gpu_monitor.readings import AUTO, GPU_VALUE_KEYS, GpuReading, normalize_pci
+from gpu_monitor.readings import GPU_VALUE_KEYS, GpuReading, normalize_pci
+from gpu_monitor.vendor_lib import VendorLibrary
 
 _SENTINELS = {0xFFFF, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF}
 _NOT_SUPPORTED = 2  # AMDSMI_STATUS_NOT_SUPPORTED
@@ -41,54 +38,20 @@ def _watts(v: Any) -> float | None:
     return round(v, 2) if 0 <= v <= 5000 else None
 
 
-class AmdsmiBackend:
+class AmdsmiBackend(VendorLibrary):
     """All AMD GPUs amdsmi sees. `module`: AUTO (import amdsmi), None (off) or a module-like object."""
 
-    def __init__(
-        self, module: Any = AUTO, *, clock: Callable[[], float] = time.monotonic, retry_s: float = 60.0
-    ):
-        self._module_arg = module
-        self._smi: Any = None
-        self._clock = clock
-        self.retry_s = retry_s
-        self.reason: str | None = None
-        self._next_try_at: float | None = None
-        self._devices: list[tuple[int, Any, str | None, str | None]] | None = None  # index, handle, pci, name
-        self._lock = threading.Lock()
-        self._atexit = False
+    import_name = "amdsmi"
+    off_reason = "amdsmi is switched off"
+    init_call = "amdsmi_init"
 
-    def _module(self) -> Any:
-        if self._module_arg is None:
-            self.reason = "amdsmi is switched off"
-            return None
-        if self._module_arg is AUTO:
-            try:
-                import amdsmi  # lazy, and guarded: it raises at import without a matching ROCm
-            except Exception as e:
-                self.reason = f"amdsmi cannot be imported: {type(e).__name__}: {e}"
-                return None
-            return amdsmi
-        return self._module_arg
+    def _start(self, smi: Any) -> list:
+        flags = getattr(getattr(smi, "AmdSmiInitFlags", None), "INIT_AMD_GPUS", None)
+        smi.amdsmi_init(flags) if flags is not None else smi.amdsmi_init()
+        return list(smi.amdsmi_get_processor_handles())
 
-    def _ensure(self) -> list[tuple[int, Any, str | None, str | None]]:
-        if self._devices is not None:
-            return self._devices
-        now = self._clock()
-        if self._next_try_at is not None and now < self._next_try_at:
-            return []
-        self._next_try_at = now + self.retry_s
-        smi = self._module()
-        if smi is None:
-            return []
-        self._smi = smi
-        try:
-            flags = getattr(getattr(smi, "AmdSmiInitFlags", None), "INIT_AMD_GPUS", None)
-            smi.amdsmi_init(flags) if flags is not None else smi.amdsmi_init()
-            handles = list(smi.amdsmi_get_processor_handles())
-        except Exception as e:
-            self.reason = f"amdsmi_init failed: {self._describe(e)} (retried every {self.retry_s:g} s)"
-            return []
-        devices = []
+    def _enumerate(self, smi: Any, handles: list) -> list[tuple[int, Any, str | None, str | None]]:
+        devices = []  # index, handle, pci, name
         for i, h in enumerate(handles):
             bdf, _ = self._call("amdsmi_get_gpu_device_bdf", h)
             info, _ = self._call("amdsmi_get_gpu_asic_info", h)
@@ -101,12 +64,10 @@ class AmdsmiBackend:
                     name if isinstance(name, str) and name not in ("", "N/A") else None,
                 )
             )
-        self._devices = devices
-        self.reason = None
-        if not self._atexit:
-            atexit.register(self.close)
-            self._atexit = True
         return devices
+
+    def _shutdown(self, smi: Any) -> None:
+        smi.amdsmi_shut_down()
 
     def _describe(self, e: BaseException) -> str:
         code = _error_code(e)
@@ -115,7 +76,7 @@ class AmdsmiBackend:
         return f"{type(e).__name__}: {e}" + (f" (code {code})" if code is not None else "")
 
     def _call(self, fn: str, *args: Any) -> tuple[Any, str | None]:
-        f = getattr(self._smi, fn, None)
+        f = getattr(self._lib, fn, None)
         if f is None:
             return None, f"{fn} is not in this amdsmi"
         try:
@@ -142,7 +103,7 @@ class AmdsmiBackend:
             return out
 
     def _read(self, r: GpuReading, h: Any) -> None:
-        smi = self._smi
+        smi = self._lib
         act, why = self._call("amdsmi_get_gpu_activity", h)
         r.put("busy_percent", *_field(act, "gfx_activity", why, hi=100))
         mtype = getattr(smi, "AmdSmiMemoryType", None)
@@ -177,7 +138,7 @@ class AmdsmiBackend:
 
     def _temperature(self, h: Any) -> tuple[float | None, str | None]:
         """Edge, else hotspot (MI300 has no edge sensor)."""
-        smi = self._smi
+        smi = self._lib
         ttype, metric = (
             getattr(smi, "AmdSmiTemperatureType", None),
             getattr(smi, "AmdSmiTemperatureMetric", None),
@@ -194,15 +155,6 @@ class AmdsmiBackend:
                 v = float(v) / 1000 if v > 1000 else float(v)  # m°C in some versions
                 return round(v, 1), None
         return None, why
-
-    def close(self) -> None:
-        with self._lock:
-            if self._devices is not None and self._smi is not None:
-                try:
-                    self._smi.amdsmi_shut_down()
-                except Exception:  # at exit, nothing to report to
-                    pass
-            self._devices = None
 
 
 def _error_code(e: BaseException) -> int | None:

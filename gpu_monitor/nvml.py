@@ -10,13 +10,10 @@ when the caller has one (Volta+; better than the 1 s averaged power on Ampere an
 
 from __future__ import annotations
 
-import atexit
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
-from gpu_monitor.readings import AUTO, GpuReading, normalize_pci
+from gpu_monitor.readings import GpuReading, normalize_pci
+from gpu_monitor.vendor_lib import VendorLibrary
 
 # nvmlClocksEventReasons bits (nvml.h). "Throttled" is any bit but gpu_idle.
 THROTTLE_BITS = {
@@ -75,73 +72,32 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
 
 
-class NvmlBackend:
+class NvmlBackend(VendorLibrary):
     """All NVIDIA GPUs NVML sees. `module`: AUTO (import pynvml), None (off) or a module-like object."""
 
-    def __init__(
-        self, module: Any = AUTO, *, clock: Callable[[], float] = time.monotonic, retry_s: float = 60.0
-    ):
-        self._module_arg = module
-        self._nv: Any = None
-        self._clock = clock
-        self.retry_s = retry_s
-        self.reason: str | None = None  # why there are no NVML GPUs (init failed, disabled, …)
-        self._next_try_at: float | None = None
-        self._devices: list[_Device] | None = None
-        self._lock = threading.Lock()
-        self._atexit = False
-
-    # --- init ----------------------------------------------------------------------------------------
-
-    def _module(self) -> Any:
-        if self._module_arg is None:
-            self.reason = "NVML is switched off"
-            return None
-        if self._module_arg is AUTO:
-            try:
-                import pynvml  # lazy: pip nvidia-ml-py
-            except Exception as e:  # ImportError, or a broken install
-                self.reason = f"pynvml cannot be imported: {type(e).__name__}: {e}"
-                return None
-            return pynvml
-        return self._module_arg
+    import_name = "pynvml"  # pip nvidia-ml-py
+    off_reason = "NVML is switched off"
+    init_call = "nvmlInit"
 
     def _kind(self, e: BaseException) -> str | None:
         for name, code in _CODES.items():
-            cls = getattr(self._nv, f"NVMLError_{name}", None)
+            cls = getattr(self._lib, f"NVMLError_{name}", None)
             if (isinstance(cls, type) and isinstance(e, cls)) or getattr(e, "value", None) == code:
                 return name
         return None
 
-    def _ensure(self) -> list[_Device]:
-        if self._devices is not None:
-            return self._devices
-        now = self._clock()
-        if self._next_try_at is not None and now < self._next_try_at:
-            return []
-        self._next_try_at = now + self.retry_s
-        nv = self._module()
-        if nv is None:
-            return []
-        self._nv = nv
-        try:
-            nv.nvmlInit()
-            count = int(nv.nvmlDeviceGetCount())
-        except Exception as e:  # LibraryNotFound, DriverNotLoaded, NoPermission, …
-            self.reason = f"nvmlInit failed: {self._describe(e)} (retried every {self.retry_s:g} s)"
-            return []
-        devices = []
-        for i in range(count):
-            devices.append(self._open(i))
-        self._devices = devices
-        self.reason = None
-        if not self._atexit:
-            atexit.register(self.close)
-            self._atexit = True
-        return devices
+    def _start(self, nv: Any) -> int:
+        nv.nvmlInit()  # raises LibraryNotFound, DriverNotLoaded, NoPermission, …
+        return int(nv.nvmlDeviceGetCount())
+
+    def _enumerate(self, nv: Any, count: int) -> list[_Device]:
+        return [self._open(i) for i in range(count)]
+
+    def _shutdown(self, nv: Any) -> None:
+        nv.nvmlShutdown()
 
     def _open(self, i: int) -> _Device:
-        nv = self._nv
+        nv = self._lib
         try:
             h = nv.nvmlDeviceGetHandleByIndex(i)
         except Exception as e:
@@ -165,7 +121,7 @@ class NvmlBackend:
 
     def _call(self, dev: _Device, fn: str, *args: Any) -> tuple[Any, str | None]:
         """One NVML call for one field. NotSupported and friends -> (None, reason); lost -> _Lost."""
-        f = getattr(self._nv, fn, None)
+        f = getattr(self._lib, fn, None)
         if f is None:
             return None, f"{fn} is not in this NVML binding"
         try:
@@ -227,7 +183,7 @@ class NvmlBackend:
     def _fill(
         self, dev: _Device, r: GpuReading, energy_mj: dict[int, int | None], power_w: dict[int, float]
     ) -> None:
-        nv = self._nv
+        nv = self._lib
         util, why = self._call(dev, "nvmlDeviceGetUtilizationRates")
         r.put("busy_percent", int(util.gpu) if util is not None else None, why)
         mem, why = self._call(dev, "nvmlDeviceGetMemoryInfo")
@@ -253,10 +209,10 @@ class NvmlBackend:
         """`…ClocksEventReasons` (new name), else `…ClocksThrottleReasons` (old drivers and bindings)."""
         mask, why = None, None
         for fn in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
-            if getattr(self._nv, fn, None) is None:
+            if getattr(self._lib, fn, None) is None:
                 continue
             try:
-                mask = getattr(self._nv, fn)(dev.handle)
+                mask = getattr(self._lib, fn)(dev.handle)
                 break
             except Exception as e:
                 kind = self._kind(e)
@@ -269,12 +225,3 @@ class NvmlBackend:
         if mask is None:
             return None, why or "no clocks-event-reasons call in this NVML binding"
         return throttle_json(int(mask), "nvml"), None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._devices is not None and self._nv is not None:
-                try:
-                    self._nv.nvmlShutdown()
-                except Exception:  # at exit, nothing to report to
-                    pass
-            self._devices = None
