@@ -17,7 +17,6 @@ docstring): on the quantized GGUF itself, and on the same weights dequantized to
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from bankml.pin import sha256_file
 from model.engine import Engine
 from model.messages import SamplingParams
 
@@ -32,13 +32,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LOGPROB_TOL = 0.05  # nats
 NEAR_TIE = 0.05  # nats between llama.cpp's top two
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def golden(request, smollm2_path, gemma3_path):
     if not fixture.exists():
         pytest.skip(f"{fixture.name} is not recorded (tests/fixtures/record_golden.py)")
     data = json.loads(fixture.read_text())
-    if _sha256(path) != data["model_sha256"]:
+    if sha256_file(path) != data["model_sha256"]:
         pytest.fail(f"{path.name} is not the file {fixture.name} was recorded from")
     return Engine.load(path, verified=True, n_ctx=512, warmup=False), data
 
