@@ -8,7 +8,9 @@ window and rope base) are scanned arrays. Each layer attends to the cached cells
 slot -- `window` is a static power-of-two bucket the caller picks above the longest prefix -- plus
 the new tokens, causally; all new K/V are scattered into the cache in one write at the end. The float
 rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
-exactly dequantized weights; we are not bit-identical to llama.cpp (spec README §1, tests/test_golden.py).
+exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
+llama.cpp's) before attention; we are not bit-identical to llama.cpp (spec README §1,
+tests/test_golden.py, bench/rounding.py).
 """
 
 from __future__ import annotations
@@ -82,11 +84,12 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
     return out.reshape(b, t, config.n_head * dh)
 
 
-def _layer(x, lw: Layer, il, is_swa, k_old, v_old, starts, positions, ropes, config: Config):
+def _layer(x, lw: Layer, il, is_swa, k_old, v_old, starts, positions, ropes, config: Config, kv_dtype):
     """Block `il` of the stacked layers `lw`; returns (x_out, k_new, v_new). x [B, T, D].
 
     Matrices stay stacked and are indexed inside their matmul (see packed.linear); vectors are
-    indexed here.
+    indexed here. Attention sees the new K and V as the cache stores them (kv_dtype), and Q rounded
+    to the same type, as llama.cpp's flash attention converts Q to the K cache's type.
     """
     b, t, _ = x.shape
     dh, eps = config.head_dim, config.norm_eps
@@ -104,6 +107,7 @@ def _layer(x, lw: Layer, il, is_swa, k_old, v_old, starts, positions, ropes, con
         cos, sin = cos_g, sin_g
     q = apply_rope(q, cos, sin, config.rope_neox)
     k = apply_rope(k, cos, sin, config.rope_neox)
+    q, k, v = (a.astype(kv_dtype).astype(jnp.float32) for a in (q, k, v))
 
     attn = _attention(q, k, v, k_old, v_old, starts, positions, is_swa, config)
     out = _linear(attn, lw.attn_output, lw.attn_output_bias, il)
@@ -151,9 +155,10 @@ def forward(weights: Weights, cache: KVCache, tokens: jax.Array, slot0: jax.Arra
         k_old = v_old = None
         if window:
             at, h, dh = (il, slot0, 0, 0, 0), config.n_head_kv, config.head_dim
-            k_old = lax.dynamic_slice(cache.k, at, (1, b, h, window, dh))[0]  # [B, Hkv, W, Dh]
-            v_old = lax.dynamic_slice(cache.v, at, (1, b, h, dh, window))[0]  # [B, Hkv, Dh, W]
-        x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config)
+            k_old = lax.dynamic_slice(cache.k, at, (1, b, h, window, dh))[0].astype(jnp.float32)  # [B, Hkv, W, Dh]
+            v_old = lax.dynamic_slice(cache.v, at, (1, b, h, dh, window))[0].astype(jnp.float32)  # [B, Hkv, Dh, W]
+        x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config,
+                         cache.k.dtype)
         return x, (k, v)
 
     # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)

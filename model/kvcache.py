@@ -1,6 +1,7 @@
 """The KV cache: one fixed-shape buffer for every slot, so neither prefill nor decode ever recompiles.
 
-k: [n_layer, n_slots, Hkv, S, Dh] and v: [n_layer, n_slots, Hkv, Dh, S] f32 (S = n_ctx): each is laid
+k: [n_layer, n_slots, Hkv, S, Dh] and v: [n_layer, n_slots, Hkv, Dh, S] (S = n_ctx), f16 as llama.cpp's
+default cache (half the bytes a decode step reads; attention computes in f32): each is laid
 out the way its attention product reads it (Q.K contracts Dh, P.V contracts the cells), so a layer's
 window of cells is copied out without a transpose (a transposed window cost more than the whole
 attention on XLA:CPU). `lengths[slot]` counts the valid positions: a cell at
@@ -35,14 +36,14 @@ class KVCache:
         return self.v.shape[4]
 
 
-def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> KVCache:
     n_layer, h, dh = config.n_layer, config.n_head_kv, config.head_dim
     return KVCache(k=jnp.zeros((n_layer, n_slots, h, n_ctx, dh), dtype),
                    v=jnp.zeros((n_layer, n_slots, h, dh, n_ctx), dtype),
                    lengths=jnp.zeros((n_slots,), jnp.int32))
 
 
-def cache_bytes(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float32) -> int:
+def cache_bytes(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> int:
     return 2 * config.n_layer * n_slots * n_ctx * config.n_head_kv * config.head_dim * jnp.dtype(dtype).itemsize
 
 

@@ -60,14 +60,14 @@ def _tokens(n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
 
 
-def _full_logits(config, weights, tokens) -> np.ndarray:
-    cache = init_cache(config, 1, len(tokens))
+def _full_logits(config, weights, tokens, kv_dtype=jnp.float32) -> np.ndarray:
+    cache = init_cache(config, 1, len(tokens), kv_dtype)
     logits, _ = forward(weights, cache, jnp.asarray(tokens)[None], jnp.int32(0),
                         jnp.array([len(tokens)], jnp.int32), config=config, window=0, all_logits=True)
     return np.asarray(logits[0])
 
 
-def _reference_logits(path, config: Config, tokens) -> np.ndarray:
+def _reference_logits(path, config: Config, tokens, kv_f16: bool = False) -> np.ndarray:
     reader = GGUFReader(str(path))
     t = {x.name: gguf.quants.dequantize(x.data, x.tensor_type).astype(np.float64).reshape(tuple(reversed(
         [int(n) for n in x.shape]))) for x in reader.tensors}
@@ -103,13 +103,16 @@ def _reference_logits(path, config: Config, tokens) -> np.ndarray:
             proj["k"] = rms(proj["k"], t[p + "attn_k_norm.weight"])
         q = np.array([[rope(proj["q"][i, hh], i, base, scale) for hh in range(c.n_head)] for i in range(n)])
         k = np.array([[rope(proj["k"][i, hh], i, base, scale) for hh in range(c.n_head_kv)] for i in range(n)])
+        v = proj["v"]
+        if kv_f16:  # llama.cpp's default cache holds K and V in f16; its flash attention converts Q to f16
+            q, k, v = (a.astype(np.float16).astype(np.float64) for a in (q, k, v))
         attn = np.zeros((n, c.n_head, dh))
         for hh in range(c.n_head):
             for i in range(n):
                 visible = [j for j in range(i + 1) if not (swa and i - j >= c.n_swa)]
                 s = np.array([q[i, hh] @ k[j, hh // g] for j in visible]) * c.attn_scale
                 w = np.exp(s - s.max())
-                attn[i, hh] = (w / w.sum()) @ proj["v"][visible, hh // g]
+                attn[i, hh] = (w / w.sum()) @ v[visible, hh // g]
         out = attn.reshape(n, -1) @ t[p + "attn_output.weight"].T
         if c.post_norms:
             out = rms(out, t[p + "post_attention_norm.weight"])
@@ -139,12 +142,26 @@ def test_forward_matches_reference(tiny):
     _close(_full_logits(config, weights, tokens), _reference_logits(path, config, tokens), rtol=2e-5)
 
 
+def test_the_f16_cache_attends_as_llama_cpp_does(tiny):
+    """With the default f16 cache, Q, K and V pass through f16 before attention, as in llama.cpp.
+
+    An f32 value and the float64 reference can round to neighbouring f16 values, so the bound is a
+    few f16 ulps; attention without the rounding lands further off than that on some architectures.
+    """
+    _, path, config, weights = tiny
+    tokens = _tokens(12)
+    assert init_cache(config, 1, 4).k.dtype == jnp.float16
+    ours = _full_logits(config, weights, tokens, jnp.float16)
+    _close(ours, _reference_logits(path, config, tokens, kv_f16=True), rtol=4e-4)
+    assert not np.array_equal(ours, _full_logits(config, weights, tokens))
+
+
 def test_cache_decode_matches_full_forward(tiny_cache):
     """Prefill 5 tokens, then decode 11 one at a time through the cache: same logits as one pass."""
     _, _, config, weights = tiny_cache
     tokens = _tokens(16, seed=2)
     full = _full_logits(config, weights, tokens)
-    cache = init_cache(config, 2, 64)
+    cache = init_cache(config, 2, 64, jnp.float32)
     logits, cache = forward(weights, cache, jnp.asarray(tokens[:5])[None], jnp.int32(1), jnp.array([5], jnp.int32),
                             config=config, window=0)
     got = [np.asarray(logits[0])]
@@ -162,7 +179,7 @@ def test_chunked_prefill_matches_full_forward(tiny_cache):
     _, _, config, weights = tiny_cache
     tokens = _tokens(20, seed=3)
     full = _full_logits(config, weights, tokens)
-    cache = init_cache(config, 1, 64)
+    cache = init_cache(config, 1, 64, jnp.float32)
     first = np.zeros((1, 16), np.int32)
     first[0, :9] = tokens[:9]
     _, cache = forward(weights, cache, first, jnp.int32(0), jnp.array([9], jnp.int32), config=config, window=0)
@@ -179,7 +196,7 @@ def test_batch_rows_are_independent(tiny_cache):
     _, _, config, weights = tiny_cache
     seqs = [_tokens(7, seed=4), _tokens(13, seed=5)]
     alone = [_full_logits(config, weights, s) for s in seqs]
-    cache = init_cache(config, 2, 64)
+    cache = init_cache(config, 2, 64, jnp.float32)
     for slot, s in enumerate(seqs):  # prefill all but the last 3 tokens of each
         padded = np.zeros((1, 16), np.int32)
         padded[0, :len(s) - 3] = s[:-3]
