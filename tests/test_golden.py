@@ -8,11 +8,12 @@ docstring): on the quantized GGUF itself, and on the same weights dequantized to
   0.05 nats, and our token equals llama.cpp's until a near-tie (top-2 gap < 0.05 nats), after which
   the sequences may part and the comparison stops.
 - Against the quantized run, statistically. There ggml rounds every activation to 8 bits before
-  each quantized matmul; on these small models that rounding alone moves logprobs by ~0.1 nats, and
-  chaotically (nudging the rounding of a few elements by 1e-6 moves them as much), so no float32
-  engine gets within 0.05 of it everywhere. Teacher-forced on llama.cpp's tokens, our top-1 must match
-  on >= 95% of the non-tied positions, with median |dlogprob| <= 0.1 and 90th percentile <= 0.35 nats.
-  A wrong rope, norm or mask fails all three by far.
+  each quantized matmul (model/actquant.py). On these small models that rounding alone moves logprobs
+  by ~0.07 nats, and chaotically: under it, nudging the embeddings by 1e-6 moves our own logprobs by a
+  median 0.09 nats (bench/rounding.py), so emulating the rounding exactly brings us no closer --
+  only bit-identical arithmetic would, which spec README §1 rules out. Teacher-forced on llama.cpp's
+  tokens, our top-1 must match on >= 95% of the non-tied positions, with median |dlogprob| <= 0.1
+  and 90th percentile <= 0.35 nats. A wrong rope, norm or mask fails all three by far.
 """
 
 from __future__ import annotations
