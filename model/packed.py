@@ -1,4 +1,5 @@
-"""Packed matrices for the CPU path: int8 codes plus a per-group affine map, expanded inside the step.
+"""Packed matrices for the CPU path: small integer codes plus a per-group affine map, expanded inside
+the step.
 
 Every supported GGUF block type dequantizes as `w = scale_g * q + offset_g` with a small integer q and
 f32 group constants (research/kernels.md §1): Q4_0/Q5_0/Q8_0 (groups of 32, no offset), Q4_1/Q5_1
@@ -7,19 +8,23 @@ offset). The products are exact in f32 (at most 23 significant bits), so `q * sc
 reproduces `gguf.quants.dequantize` bit for bit whatever the rounding of the fused add.
 
 Why: decode on XLA:CPU streams every weight once per token and is bound by memory bandwidth. f32
-weights are 4 bytes each; packed ones are 1 + 8/g (1.25 or 1.5) -- about 2x faster per decode step,
-measured on SmolLM2 shapes. XLA:CPU's dot is slow on narrow types (kernels.md §3c), so `linear`
-expands one block of rows at a time to f32 (small enough to stay in cache) right before its dot.
+weights are 4 bytes each; int8 codes with f32 constants 1 + 8/g (1.25 or 1.5); 4-bit codes two to a
+byte with f16 constants 0.625, what llama.cpp's Q4_1 itself streams. On SmolLM2 (2 cores) a decode
+step took 40 ms with f32 weights' worth of traffic halved to int8, 35 -> 28 ms with nibbles and f16
+constants. XLA:CPU's dot is slow on narrow types (kernels.md §3c), so `linear` expands one block of
+rows at a time to f32 (small enough to stay in cache) right before its dot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from model.actquant import KINDS, round_activations
 
 _NIB = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
 _2BIT = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
@@ -31,19 +36,50 @@ ROWS_PER_EXPAND = 128  # rows expanded to f32 at a time: 128 x 1536 x 4 B = 768 
 @jax.tree_util.register_dataclass
 @dataclass
 class Packed:
-    """A matrix [..., out, in] as int8 codes and per-group constants [..., out, in/g]."""
+    """A matrix [..., out, in] as small integer codes and per-group constants [..., out, in/g].
 
-    q: jax.Array  # int8 [..., out, in]
-    scale: jax.Array  # f32 [..., out, in/g]
-    offset: jax.Array | None  # f32 [..., out, in/g]; None when every group's offset is 0
+    Codes are int8 [..., out, in], or, when every code fits in four bits (Q4_0, Q4_1, Q4_K), two per
+    byte: uint8 [..., out, in/2] holding column c in the low nibble and column c + in/2 in the high
+    one, less `nibble_bias` (8 for Q4_0's signed codes). Constants are f16 where every one of them is
+    exactly an f16 (the legacy types' d and m), else f32. Either way `expand` gives the same f32
+    values; the narrower forms halve what a decode step streams from memory.
+    """
+
+    q: jax.Array  # int8 [..., out, in], or uint8 [..., out, in/2] nibble pairs
+    scale: jax.Array  # f16 or f32 [..., out, in/g]
+    offset: jax.Array | None  # f16 or f32 [..., out, in/g]; None when every group's offset is 0
+    # per layer (one entry unstacked): how ggml rounds the activations for this type (model/actquant.py)
+    act: tuple[str, ...] = field(default=("f32",), metadata={"static": True})
+    nibble_bias: int | None = field(default=None, metadata={"static": True})  # None: int8 codes
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.q.shape
+        cols = self.q.shape[-1] * (1 if self.nibble_bias is None else 2)
+        return (*self.q.shape[:-1], cols)
 
     @property
     def group(self) -> int:
-        return self.q.shape[-1] // self.scale.shape[-1]
+        return self.shape[-1] // self.scale.shape[-1]
+
+
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, act: tuple[str, ...]) -> Packed:
+    """Codes int8 [..., out, in] and constants [..., out, in/g] (from `unpack_affine`) -> the narrowest
+    Packed that expands to the same values."""
+    bias = None
+    if q.shape[-1] % 64 == 0:  # each half of a row must hold whole groups of 32
+        lo, hi = int(q.min(initial=0)), int(q.max(initial=0))
+        bias = 0 if lo >= 0 and hi <= 15 else 8 if lo >= -8 and hi <= 7 else None
+    if bias is not None:
+        c = (q.astype(np.int16) + bias).astype(np.uint8)
+        half = q.shape[-1] // 2
+        q = c[..., :half] | (c[..., half:] << np.uint8(4))
+    return Packed(jnp.asarray(q), _narrow(scale), None if offset is None else _narrow(offset), act, bias)
+
+
+def _narrow(a: np.ndarray) -> jax.Array:
+    """f16 when that is exact for every element (and finite), else f32."""
+    h = a.astype(np.float16)
+    return jnp.asarray(h if np.array_equal(h.astype(np.float32), a) else a.astype(np.float32))
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -157,38 +193,82 @@ def type_group(ggml_type: int) -> int:
     return {10: 16, 11: 16, 14: 16}.get(ggml_type, 32)
 
 
+def _affine(c: jax.Array, scale: jax.Array, offset: jax.Array | None, g: int) -> jax.Array:
+    """Codes [..., out, n] (any int type) with constants [..., out, n/g] -> f32 values."""
+    w = c.reshape(*c.shape[:-1], -1, g).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
+    if offset is not None:
+        w = w + offset.astype(jnp.float32)[..., None]
+    return w.reshape(c.shape)
+
+
+def expand_parts(p: Packed) -> list[jax.Array]:
+    """p as f32 column blocks: [all columns], or [first half, second half] when nibble-packed."""
+    if p.nibble_bias is None:
+        return [_affine(p.q, p.scale, p.offset, p.group)]
+    g, n = p.group, p.scale.shape[-1] // 2
+    parts = []
+    for i, c in enumerate((p.q & jnp.uint8(15), p.q >> jnp.uint8(4))):
+        c = c.astype(jnp.int8) - jnp.int8(p.nibble_bias) if p.nibble_bias else c
+        cols = slice(i * n, (i + 1) * n)
+        parts.append(_affine(c, p.scale[..., cols], None if p.offset is None else p.offset[..., cols], g))
+    return parts
+
+
 def expand(p: Packed) -> jax.Array:
     """Packed [..., out, in] -> f32, exactly the GGUF dequantization."""
-    g = p.group
-    q = p.q.reshape(*p.q.shape[:-1], -1, g).astype(jnp.float32)  # [..., out, in/g, g]
-    w = q * p.scale[..., None]
-    if p.offset is not None:
-        w = w + p.offset[..., None]
-    return w.reshape(p.q.shape)
+    return jnp.concatenate(expand_parts(p), axis=-1)
 
 
 def linear(x: jax.Array, p: Packed, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ p.T -> [..., out], expanding ROWS_PER_EXPAND rows at a time.
 
-    With `layer`, p is a stack [L, out, in] and layer `layer` is used. Each block of rows is sliced
-    straight from the stack inside the expansion, which XLA fuses: slicing the layer out first (as
-    `lax.scan` does with its xs) would copy every weight of the model once per step.
+    x is first rounded as ggml rounds activations for the layer's type (model/actquant.py), so the
+    product is the one llama.cpp computes. With `layer`, p is a stack [L, out, in] and layer `layer`
+    is used. Each block of rows is sliced straight from the stack inside the expansion, which XLA
+    fuses: slicing the layer out first (as `lax.scan` does with its xs) would copy every weight of the
+    model once per step.
     """
     out_dim, in_dim = p.shape[-2:]
     rows = max(r for r in range(1, min(ROWS_PER_EXPAND, out_dim) + 1) if out_dim % r == 0)
     stacked = p if layer is not None else jax.tree.map(lambda a: a[None], p)
     il = jnp.int32(0) if layer is None else layer
+    xq, s_err = _rounded(x, p.act, il, p.offset is not None)
 
     def one(row0: jax.Array) -> jax.Array:
         part = jax.tree.map(lambda a: lax.dynamic_slice(a, (il, row0, 0), (1, rows, a.shape[-1]))[0], stacked)
         # the barrier keeps XLA from fusing the expansion into the dot, which XLA:CPU runs slowly
-        return jnp.einsum("...i,oi->...o", x, lax.optimization_barrier(expand(part)))
+        ws = lax.optimization_barrier(expand_parts(part))
+        xs = jnp.split(xq, len(ws), axis=-1)
+        y = sum(jnp.einsum("...i,oi->...o", xi, w) for xi, w in zip(xs, ws, strict=True))
+        if s_err is not None:  # q8_1's sum term: offset * fp16(d * sum q), not offset * fp16(d) * sum q
+            y = y + jnp.einsum("...b,ob->...o", s_err, part.offset[:, ::32 // part.group].astype(jnp.float32))
+        return y
 
     n = out_dim // rows
     if n == 1:
         return one(jnp.int32(0))
     ys = lax.map(one, jnp.arange(n, dtype=jnp.int32) * rows)  # [n, ..., rows]
     return jnp.moveaxis(ys, 0, -2).reshape(*x.shape[:-1], out_dim)
+
+
+def _rounded(x: jax.Array, act: tuple[str, ...], il: jax.Array, has_offset: bool):
+    """(xq, s_err or None): x rounded for layer `il`'s kind; s_err is zeros for layers without q8_1."""
+    kinds = sorted(set(act), key=KINDS.index)
+    want_s = has_offset and "q8_1" in kinds
+    if len(kinds) == 1:
+        xq, s_err = round_activations(x, kinds[0])
+        return xq, s_err if want_s else None
+
+    def branch(kind):
+        def run(x):
+            xq, s_err = round_activations(x, kind)
+            zeros = jnp.zeros((*x.shape[:-1], x.shape[-1] // 32), jnp.float32)
+            return xq, (zeros if s_err is None else s_err)
+        return run
+
+    which = jnp.asarray([kinds.index(k) for k in act], jnp.int32)[il]
+    xq, s_err = lax.switch(which, [branch(k) for k in kinds], x)
+    return xq, s_err if want_s else None
 
 
 def take_rows(p: Packed, ids: jax.Array) -> jax.Array:

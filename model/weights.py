@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.dequant import check_supported, dequantize
+from model.actquant import ACT_KIND
 from model.config import Config, UnsupportedModel
-from model.packed import PACKABLE_TYPES, Packed, type_group, unpack_affine
+from model.packed import PACKABLE_TYPES, Packed, pack, type_group, unpack_affine
 
 Array = jax.Array
 Matrix = Array | Packed  # f32 [out, in], or packed codes that expand to exactly the same values
@@ -116,10 +117,13 @@ def tensor_array(tensor) -> np.ndarray:
     return np.asarray(dequantize(tensor.data, int(tensor.tensor_type), tensor.shape, name=tensor.name))
 
 
-def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None = None) -> tuple[Config, Weights]:
+def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None = None,
+                 activations: str = "f32") -> tuple[Config, Weights]:
     """Read config and weights from a GGUF that `bankml.verify.verify` accepted (`verified=True`).
 
     packed: keep block-quantized matrices packed (model/packed.py); default: on the CPU backend.
+    activations: "f32", or "ggml" to round each packed matmul's input as llama.cpp's CPU backend does
+    (model/actquant.py; bench/rounding.py measures what that changes).
     Raises `UnsupportedModel` / `UnsupportedTensorType` with the reason for anything we cannot run.
     """
     if not verified:
@@ -133,10 +137,12 @@ def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None
         check_supported(int(t.tensor_type), t.name)
     if packed is None:
         packed = jax.default_backend() == "cpu"
-    return config, _build(config, tensors, packed)
+    if activations not in ("f32", "ggml"):
+        raise ValueError(f"activations must be 'f32' or 'ggml', got {activations!r}")
+    return config, _build(config, tensors, packed, activations == "ggml")
 
 
-def _build(config: Config, tensors: dict, packed: bool) -> Weights:
+def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool = False) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
     present: dict[str, int] = {}  # Layer field -> in how many blocks
@@ -164,21 +170,21 @@ def _build(config: Config, tensors: dict, packed: bool) -> Weights:
     stacked = {}
     for name in sorted(fields):
         blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
-        stacked[name] = _stack(blocks, shapes[name], packed)
+        stacked[name] = _stack(blocks, shapes[name], packed, ggml_rounding)
 
     d, v = config.n_embd, config.n_vocab
     out_w = tensors.get("output.weight")
     rope_freqs = tensors.get("rope_freqs.weight")
     return Weights(
-        token_embd=_unstack(_stack([tensors["token_embd.weight"]], (v, d), packed)),
+        token_embd=_unstack(_stack([tensors["token_embd.weight"]], (v, d), packed, ggml_rounding)),
         output_norm=jnp.asarray(_checked(tensors["output_norm.weight"], (d,))),
         layers=Layer(**stacked),
-        output=None if out_w is None else _unstack(_stack([out_w], (v, d), packed)),
+        output=None if out_w is None else _unstack(_stack([out_w], (v, d), packed, ggml_rounding)),
         rope_freqs=None if rope_freqs is None else jnp.asarray(_checked(rope_freqs, (config.n_rot // 2,))),
     )
 
 
-def _stack(tensors: list, shape: tuple[int, ...], packed: bool) -> Matrix:
+def _stack(tensors: list, shape: tuple[int, ...], packed: bool, ggml_rounding: bool = False) -> Matrix:
     """Per-layer tensors -> one [n, *shape] array, packed when asked and every tensor allows it."""
     types = [int(t.tensor_type) for t in tensors]
     if packed and len(shape) == 2 and all(t in PACKABLE_TYPES for t in types):
@@ -187,11 +193,9 @@ def _stack(tensors: list, shape: tuple[int, ...], packed: bool) -> Matrix:
                 raise UnsupportedModel(f"tensor {t.name!r} has shape {tuple(reversed(t.shape))}, expected {shape}")
         group = min(type_group(t) for t in types)  # layers of a finer-grouped type set the group size
         parts = [unpack_affine(t.data, int(t.tensor_type), *shape, group) for t in tensors]
-        offset = None
-        if any(p[2].any() for p in parts):
-            offset = jnp.asarray(np.stack([p[2] for p in parts]))
-        return Packed(jnp.asarray(np.stack([p[0] for p in parts])), jnp.asarray(np.stack([p[1] for p in parts])),
-                      offset)
+        offset = np.stack([p[2] for p in parts]) if any(p[2].any() for p in parts) else None
+        return pack(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]), offset,
+                    tuple(ACT_KIND[t] if ggml_rounding else "f32" for t in types))
     out = np.empty((len(tensors), *shape), dtype=np.float32)
     for i, t in enumerate(tensors):
         out[i] = _checked(t, shape)
@@ -199,7 +203,7 @@ def _stack(tensors: list, shape: tuple[int, ...], packed: bool) -> Matrix:
 
 
 def _unstack(m: Matrix) -> Matrix:
-    return jax.tree.map(lambda a: a[0], m)
+    return jax.tree.map(lambda a: a[0], m)  # Packed.act keeps its one entry
 
 
 def _checked(tensor, shape: tuple[int, ...]) -> np.ndarray:
