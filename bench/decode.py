@@ -178,10 +178,11 @@ def main() -> int:
     ours = Ours(args.model, args.n_ctx)
     ids = prompt_tokens(ours.engine.tokenizer, args.prompt_tokens)
     ours_runs, ref_runs = [], []
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
+        run_ids = [ids[0] + r, *ids[1:]]  # a new first token: no run reuses an earlier run's cached prompt
         if ref is not None:
-            ref_runs.append(ref.run(ids, args.decode_tokens))
-        ours_runs.append(ours.run(ids, args.decode_tokens))
+            ref_runs.append(ref.run(run_ids, args.decode_tokens))
+        ours_runs.append(ours.run(run_ids, args.decode_tokens))
     result = {
         "model": args.model.name, "threads": args.threads, "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0], "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -110,11 +110,12 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, n_slots: int = 1,
-             tokenizer=None, warmup: bool = True, packed: bool | None = None,
+             tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              compile_cache_dir: str | os.PathLike | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         packed: keep quantized matrices as int8 codes (model/packed.py); default: on the CPU backend.
+        activations: "f32", or "ggml" for llama.cpp's activation rounding (model/actquant.py).
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 24 s -> 3 s).
         """
@@ -123,7 +124,7 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compile_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        config, weights = load_weights(path, verified=verified, packed=packed)
+        config, weights = load_weights(path, verified=verified, packed=packed, activations=activations)
         if tokenizer is None:
             from model.tokenizer import Tokenizer
 
@@ -149,8 +150,14 @@ class Engine:
             w *= 2
         return [*out, self.n_ctx]
 
-    def _window(self, n_cells: int) -> int:
-        return next(w for w in self.window_buckets() if w >= n_cells)
+    def decode_window_buckets(self) -> list[int]:
+        """Decode's windows: the powers of two and 1.5x each. A decode step reads its whole window of
+        cells, so the finer steps cut up to a quarter of its attention reads; prefill keeps the powers."""
+        between = [w * 3 // 2 for w in self.window_buckets() if w * 3 // 2 < self.n_ctx]
+        return sorted({*self.window_buckets(), *between})
+
+    def _window(self, n_cells: int, buckets: list[int] | None = None) -> int:
+        return next(w for w in (buckets or self.window_buckets()) if w >= n_cells)
 
     def _program(self, kind: str, t: int, window: int):
         """The compiled program for (kind, padded length, window), compiled on first use.
@@ -187,7 +194,7 @@ class Engine:
         keys = [("prefill", t, 0) for t in self.prefill_buckets()]
         for w in self.window_buckets():
             keys += [("prefill", t, w) for t in sorted({CONTINUE_BUCKET, self._chunk()})]
-            keys.append(("decode", 1, w))
+        keys += [("decode", 1, w) for w in self.decode_window_buckets()]
         keys += [("row", 0, 0), ("select", 1, 0)]
         return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
 
@@ -292,7 +299,7 @@ class Engine:
         active = np.array([s is not None for s in self._slots])
         steps = np.array([s.n_generated if s else 0 for s in self._slots], np.int32)
         n_cells = max(self._slots[i].n_prompt + self._slots[i].n_generated - 1 for i in live)
-        self.cache, logits = self._program("decode", 1, self._window(n_cells))(
+        self.cache, logits = self._program("decode", 1, self._window(n_cells, self.decode_window_buckets()))(
             self.weights, self.cache, self._next_tokens, active)
         for i in live:
             self._held[i].append(int(self._next_tokens[i]))
