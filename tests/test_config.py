@@ -55,3 +55,17 @@ def test_host_port():
     for bad in ("127.0.0.1", "host:port", ":80", "h:70000"):
         with pytest.raises(ConfigError):
             parse_host_port(bad, "--listen")
+
+
+def test_wide_vectors_are_preferred_only_on_avx512_and_never_over_an_operator(monkeypatch):
+    from model.cpu_tuning import prefer_wide_vectors
+
+    avx512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    assert prefer_wide_vectors(env, avx512)
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_cpu_prefer_vector_width=512"
+    assert not prefer_wide_vectors(env, avx512)  # once only
+    own = {"XLA_FLAGS": "--xla_cpu_prefer_vector_width=256"}
+    assert not prefer_wide_vectors(own, avx512) and own["XLA_FLAGS"] == "--xla_cpu_prefer_vector_width=256"
+    plain = {}
+    assert not prefer_wide_vectors(plain, "flags\t\t: fpu sse avx2\n") and "XLA_FLAGS" not in plain
