@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path("/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 TEXT = ("The history of the printing press is a story of ideas moving faster than ever before. "
         "Before movable type, books were copied by hand, slowly and at great cost. ")
 
@@ -158,7 +157,7 @@ def _medians(samples: list[dict]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, help="default: the default model (SmolLM2 Q4_1), fetched if missing")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--decode-tokens", type=int, default=160)
@@ -169,6 +168,10 @@ def main() -> int:
     # ggml's AMX repacked kernels die with SIGILL on VMs that do not grant AMX tile state (the dev box)
     ap.add_argument("--llama-args", default="--no-repack", help="extra llama-server arguments")
     args = ap.parse_args()
+    if args.model is None:
+        from bankml.default_model import default_model_path
+
+        args.model = default_model_path()
 
     ref = None
     try:
