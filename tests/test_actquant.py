@@ -105,3 +105,21 @@ def test_the_loader_rounds_only_when_asked(tmp_path):
     assert ggml.layers.attn_q.act == ("q8_1", "q8_1")
     with pytest.raises(ValueError, match="activations must be"):
         load_weights(path, verified=True, activations="q8")
+
+
+def test_a_stack_of_mixed_types_rounds_each_layer_its_own_way():
+    """Layers of one stack may differ in type (gemma3 mixes Q5_0 and Q8_0 attn_v): each layer's input is
+    rounded for its own type, and q8_1's sum term applies only to the q8_1 layer."""
+    rows, cols = 8, 512
+    parts = [unpack_affine(_random_blocks(t, rows, cols, seed=6 + i), int(t), rows, cols, 32)
+             for i, t in enumerate((T.Q4_1, T.Q8_0))]
+    stack = pack(*(np.stack([p[i] for p in parts]) for i in range(3)), ("q8_1", "q8_0"))
+    x = jnp.asarray(_activations(cols, seed=7))[None]
+    for il, kind in enumerate(("q8_1", "q8_0")):
+        q, scale, offset = parts[il]
+        alone = pack(q, scale, offset if offset.any() else None, (kind,))
+        np.testing.assert_allclose(np.asarray(linear(x, stack, jnp.int32(il))), np.asarray(linear(x, alone)),
+                                   rtol=0, atol=1e-6 * float(np.abs(np.asarray(linear(x, alone))).max()))
+    unrounded = pack(*(np.stack([p[i] for p in parts]) for i in range(3)), ("f32", "f32"))
+    assert not np.allclose(np.asarray(linear(x, stack, jnp.int32(0))), np.asarray(linear(x, unrounded, jnp.int32(0))),
+                           rtol=0, atol=1e-6)
