@@ -222,8 +222,8 @@ def expand(p: Packed) -> jax.Array:
 def linear(x: jax.Array, p: Packed, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ p.T -> [..., out], expanding ROWS_PER_EXPAND rows at a time.
 
-    x is first rounded as ggml rounds activations for the layer's type (model/actquant.py), so the
-    product is the one llama.cpp computes. With `layer`, p is a stack [L, out, in] and layer `layer`
+    When the stack asks for it (`Packed.act`, "f32" unless loaded with activations="ggml"), x is
+    first rounded as ggml rounds activations for the layer's type (model/actquant.py). With `layer`, p is a stack [L, out, in] and layer `layer`
     is used. Each block of rows is sliced straight from the stack inside the expansion, which XLA
     fuses: slicing the layer out first (as `lax.scan` does with its xs) would copy every weight of the
     model once per step.
