@@ -11,7 +11,8 @@ runs, and the JSON gives the medians (and every sample: a shared box is noisy). 
 - ttft_ms and prefill_tok_per_s: prompt submitted -> first token (ours: chunked prefill + first
   sample; llama-server: its `timings.prompt_ms`).
 - decode_tok_per_s: the tokens after the first over their wall time.
-- peak_rss_bytes: ours from getrusage; llama-server from /proc/<pid>/status VmHWM.
+- peak_rss_bytes: ours from getrusage; llama-server from /proc/<pid>/status VmHWM. Ours also
+  rss_after_warmup_bytes and rss_end_bytes (VmRSS): the peak is the compiler's, the rest is what stays.
 - profile (with --profile): where one decode step of ours spends its time, by XLA op.
 """
 
@@ -63,6 +64,7 @@ class Ours:
         self.engine = Engine.load(path, verified=True, n_ctx=n_ctx, warmup=False)
         self.load_s = time.perf_counter() - t0
         self.compile_s = self.engine.warmup()
+        self.rss_after_warmup_bytes = _status_bytes("VmRSS")
         self.engine.eog_ids = frozenset()  # decode exactly the asked number of tokens
         list(self.engine.generate(list(range(100, 150)), SamplingParams(temperature=0.0, max_tokens=8)))
 
@@ -143,12 +145,17 @@ class LlamaServer:
                 "decode_tok_per_s": t["predicted_per_second"], "decode_tokens": t["predicted_n"]}
 
     def peak_rss_bytes(self) -> int:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return 1024 * int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+        return _status_bytes("VmHWM", self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def _status_bytes(field: str, pid: int | str = "self") -> int:
+    """A kB field of /proc/<pid>/status (VmRSS, VmHWM) in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return 1024 * int(next(line.split()[1] for line in status.splitlines() if line.startswith(field + ":")))
 
 
 def _medians(samples: list[dict]) -> dict:
@@ -193,7 +200,9 @@ def main() -> int:
         "ours": {"startup_s": (ours.verify_s or 0.0) + ours.load_s + ours.compile_s, "verify_s": ours.verify_s,
                  "verify": ours.verify_note, "load_s": ours.load_s, "compile_s": ours.compile_s,
                  "n_programs": len(ours.engine._compiled), **_medians(ours_runs),
-                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "runs": ours_runs},
+                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                 "rss_after_warmup_bytes": ours.rss_after_warmup_bytes, "rss_end_bytes": _status_bytes("VmRSS"),
+                 "runs": ours_runs},
     }
     if ref is not None:
         result["llama_server"] = {"startup_s": ref.startup_s, **_medians(ref_runs),

@@ -20,6 +20,7 @@ request, temperature or token ever triggers a compilation.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -213,6 +214,7 @@ class Engine:
             list(pool.map(lambda key: self._program(*key), keys))
         spent = time.perf_counter() - t0
         log.info("compiled %d programs in %.1f s", len(self._compiled), spent)
+        _return_freed_memory()
         return spent
 
     # --- requests -----------------------------------------------------------------------------
@@ -386,3 +388,12 @@ class Engine:
         logits, _ = forward(self.weights, scratch, padded, jnp.int32(0), np.array([n], np.int32),
                             config=self.config, window=0, all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading and compiling freed back to the OS (glibc keeps it otherwise):
+    SmolLM2 at n_ctx 2048 goes from 970 to 700 MiB resident after warmup."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
