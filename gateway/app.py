@@ -15,6 +15,7 @@ Every connection first passes the loopback rules (loopback.py).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -82,13 +83,19 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def native_loader(n_ctx: int, n_slots: int) -> Loader:
+def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int = 512, compile_cache_dir: str | None = None) -> Loader:
     def load(path: str):
         from model.engine_thread import load_engine
 
-        return load_engine(path, n_ctx=n_ctx, n_slots=n_slots)
+        return load_engine(path, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk,
+                           compile_cache_dir=compile_cache_dir)
 
     return load
+
+
+def compile_cache_dir(setting: str) -> str | None:
+    """[engine] compile_cache_dir: "" turns JAX's persistent compilation cache off; `~` is expanded."""
+    return os.path.expanduser(setting) if setting else None
 
 
 def native_monitoring(state: GatewayState) -> Monitoring:
@@ -128,7 +135,9 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
         log.warning("%s", fraction_note)
     thread = EngineThread()
     client = EngineClient(thread)
-    residency = Residency(gated, client, loader or native_loader(options.ctx, n_slots))
+    loader = loader or native_loader(options.ctx, n_slots, int(engine_cfg.get("max_prefill_bucket", 512)),
+                                     compile_cache_dir(str(engine_cfg.get("compile_cache_dir", ""))))
+    residency = Residency(gated, client, loader)
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
         loaded = residency.load_startup()

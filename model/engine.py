@@ -46,7 +46,7 @@ from model.weights import Weights, load_weights
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512  # the largest prefill bucket; longer prompts run in chunks of this many tokens
+PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in chunks of this many tokens
 MIN_PREFILL_BUCKET = 16
 CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in this bucket
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
@@ -87,9 +87,14 @@ class _Slot:
 class Engine:
     """Holds the weights, the KV cache for `n_slots` sequences and the compiled steps."""
 
-    def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, n_slots: int = 1):
+    def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, n_slots: int = 1,
+                 prefill_chunk: int = PREFILL_CHUNK):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
+        if prefill_chunk < MIN_PREFILL_BUCKET or prefill_chunk & (prefill_chunk - 1):
+            raise EngineError(f"the largest prefill bucket must be a power of two of at least {MIN_PREFILL_BUCKET},"
+                              f" got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
@@ -112,11 +117,12 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, n_slots: int = 1,
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
-             compile_cache_dir: str | os.PathLike | None = None) -> Engine:
+             prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         packed: keep quantized matrices as int8 codes (model/packed.py); default: on the CPU backend.
         activations: "f32", or "ggml" for llama.cpp's activation rounding (model/actquant.py).
+        prefill_chunk: the largest prefill bucket (a power of two); longer prompts run in such chunks.
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 24 s -> 3 s).
         """
@@ -130,7 +136,7 @@ class Engine:
             from model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_gguf(path)
-        engine = cls(config, weights, tokenizer, n_ctx=n_ctx, n_slots=n_slots)
+        engine = cls(config, weights, tokenizer, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk)
         log.info("loaded %s (%s, %d layers) in %.2f s", os.fspath(path), config.arch, config.n_layer,
                  time.perf_counter() - t0)
         if warmup:
@@ -140,7 +146,7 @@ class Engine:
     # --- compiled programs ----------------------------------------------------------------------
 
     def prefill_buckets(self) -> list[int]:
-        top = min(PREFILL_CHUNK, _pow2_at_least(self.n_ctx, MIN_PREFILL_BUCKET))
+        top = min(self.prefill_chunk, _pow2_at_least(self.n_ctx, MIN_PREFILL_BUCKET))
         return [b for b in (MIN_PREFILL_BUCKET << i for i in range(16)) if b <= top]
 
     def window_buckets(self) -> list[int]:
@@ -277,7 +283,7 @@ class Engine:
         start, logits = n_past, None
         while start < len(tokens):
             if start == 0:
-                t = min(PREFILL_CHUNK, _pow2_at_least(len(tokens), MIN_PREFILL_BUCKET))
+                t = min(self.prefill_chunk, _pow2_at_least(len(tokens), MIN_PREFILL_BUCKET))
             else:
                 t = CONTINUE_BUCKET if len(tokens) - start <= CONTINUE_BUCKET else self._chunk()
             chunk = tokens[start:start + t]

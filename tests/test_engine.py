@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +212,40 @@ def test_no_recompiles_after_warmup(tmp_path, caplog):
     finally:
         jax.config.update("jax_log_compiles", False)
     assert compiles == []
+
+
+def test_the_largest_prefill_bucket_is_a_setting(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
+    engine = Engine.load(path, verified=True, n_ctx=512, warmup=False, prefill_chunk=64)
+    assert engine.prefill_buckets() == [16, 32, 64]
+    prompt = _prompt(150, seed=11)  # three chunks of 64
+    outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2)))
+    assert _tokens(outs) == _greedy_by_full_forward(engine, prompt, 2)
+    assert engine.held_tokens() == prompt + _tokens(outs)[:1]
+    for bad in (100, 8):
+        with pytest.raises(EngineError, match="must be a power of two of at least 16"):
+            Engine.load(path, verified=True, n_ctx=512, warmup=False, prefill_chunk=bad)
+
+
+_WARM_IN_A_FRESH_PROCESS = """
+import sys
+from model.engine import Engine
+Engine.load(sys.argv[1], verified=True, n_ctx=256, compile_cache_dir=sys.argv[2])
+"""
+
+
+def test_a_restart_reuses_the_persistent_compile_cache(tmp_path):
+    """The second process finds every program in the cache and writes nothing new."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
+    cache = tmp_path / "xla"
+    run = [sys.executable, "-c", _WARM_IN_A_FRESH_PROCESS, str(path), str(cache)]
+    subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
+    first = sorted(p.name for p in cache.iterdir())
+    n_programs = len(Engine.load(path, verified=True, n_ctx=256, warmup=False).program_keys())
+    assert len([n for n in first if n.startswith(("jit_prefill-", "jit_decode_step-", "jit_select-",
+                                                  "jit_put_row-"))]) == n_programs
+    subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
+    assert sorted(p.name for p in cache.iterdir()) == first
 
 
 @pytest.mark.slow
