@@ -5,7 +5,7 @@ from position `cache.lengths[slot0 + b]`; its first `n_new[b]` tokens are real (
 computed and thrown away so the shapes never change). Layers run under one `lax.scan` over the layer
 index, each matmul reading its layer from the stacked weights; per-layer differences (gemma3's sliding
 window and rope base) are scanned arrays. Each layer attends to the cached cells [0, window) of its
-slot -- `window` is a static power-of-two bucket the caller picks above the longest prefix -- plus
+slot -- `window` is a static bucket the caller picks above the longest prefix -- plus
 the new tokens, causally; all new K/V are scattered into the cache in one write at the end. The float
 rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
 exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
