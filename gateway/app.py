@@ -83,7 +83,7 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int = 512, compile_cache_dir: str | None = None) -> Loader:
+def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int, compile_cache_dir: str | None) -> Loader:
     def load(path: str):
         from model.engine_thread import load_engine
 
@@ -93,7 +93,7 @@ def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int = 512, compile_ca
     return load
 
 
-def compile_cache_dir(setting: str) -> str | None:
+def compile_cache_path(setting: str) -> str | None:
     """[engine] compile_cache_dir: "" turns JAX's persistent compilation cache off; `~` is expanded."""
     return os.path.expanduser(setting) if setting else None
 
@@ -136,7 +136,7 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     thread = EngineThread()
     client = EngineClient(thread)
     loader = loader or native_loader(options.ctx, n_slots, int(engine_cfg.get("max_prefill_bucket", 512)),
-                                     compile_cache_dir(str(engine_cfg.get("compile_cache_dir", ""))))
+                                     compile_cache_path(str(engine_cfg.get("compile_cache_dir", ""))))
     residency = Residency(gated, client, loader)
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:

@@ -3,7 +3,8 @@
 llama.cpp's CPU backend never multiplies a block-quantized weight by f32 activations: it first
 quantizes each activation row to the weight type's `vec_dot_type` -- q8_0 for Q4_0/Q5_0/Q8_0, q8_1
 for Q4_1/Q5_1, q8_K for the K-quants -- and takes integer dots. On small models that rounding moves
-logprobs by ~0.1 nats, so an engine that means to agree with llama.cpp rounds the same way.
+logprobs by ~0.07 nats. It is opt-in (`activations="ggml"`): it is chaotic, so reproducing it exactly
+brings an engine whose f32 sums run in another order no closer to llama.cpp (bench/rounding.py).
 
 `x @ W.T` over the rounded activations `xq = d * q` (q the 8-bit codes, d the block scale) equals
 ggml's `sum_b d_w d_x sum_j q_w q_x (+ m_w s_x)` up to f32 summation order, because both sides'

@@ -21,7 +21,7 @@ def has_avx512(cpuinfo: str | None = None) -> bool:
             cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
         except OSError:
             return False
-    return any(line.startswith("flags") and " avx512f" in line for line in cpuinfo.splitlines())
+    return any(line.startswith("flags") and "avx512f" in line.split() for line in cpuinfo.splitlines())
 
 
 def prefer_wide_vectors(environ: MutableMapping[str, str] = os.environ, cpuinfo: str | None = None) -> bool:

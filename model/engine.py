@@ -100,6 +100,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
         self.n_slots = n_slots
+        self._prefill_windows = self.window_buckets()  # fixed by n_ctx: looked up on every step
+        self._decode_windows = self.decode_window_buckets()
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
         self.cache: KVCache = init_cache(config, n_slots, n_ctx)
         self._slots: list[_Slot | None] = [None] * n_slots
@@ -163,8 +165,9 @@ class Engine:
         between = [w * 3 // 2 for w in self.window_buckets() if w * 3 // 2 < self.n_ctx]
         return sorted({*self.window_buckets(), *between})
 
-    def _window(self, n_cells: int, buckets: list[int] | None = None) -> int:
-        return next(w for w in (buckets or self.window_buckets()) if w >= n_cells)
+    @staticmethod
+    def _window(n_cells: int, buckets: list[int]) -> int:
+        return next(w for w in buckets if w >= n_cells)
 
     def _program(self, kind: str, t: int, window: int):
         """The compiled program for (kind, padded length, window), compiled on first use.
@@ -289,7 +292,7 @@ class Engine:
             chunk = tokens[start:start + t]
             padded = np.zeros((1, t), np.int32)
             padded[0, :len(chunk)] = chunk
-            program = self._program("prefill", t, self._window(start) if start else 0)
+            program = self._program("prefill", t, self._window(start, self._prefill_windows) if start else 0)
             self.cache, logits = program(self.weights, self.cache, padded, np.int32(slot), np.int32(start),
                                          np.array([len(chunk)], np.int32))
             start += len(chunk)
@@ -307,7 +310,7 @@ class Engine:
         active = np.array([s is not None for s in self._slots])
         steps = np.array([s.n_generated if s else 0 for s in self._slots], np.int32)
         n_cells = max(self._slots[i].n_prompt + self._slots[i].n_generated - 1 for i in live)
-        self.cache, logits = self._program("decode", 1, self._window(n_cells, self.decode_window_buckets()))(
+        self.cache, logits = self._program("decode", 1, self._window(n_cells, self._decode_windows))(
             self.weights, self.cache, self._next_tokens, active)
         for i in live:
             self._held[i].append(int(self._next_tokens[i]))

@@ -239,8 +239,8 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def load_engine(path: str, *, n_ctx: int, n_slots: int, prefill_chunk: int = 512,
-                compile_cache_dir: str | None = None) -> tuple[Any, str]:
+def load_engine(path: str, *, n_ctx: int, n_slots: int, prefill_chunk: int,
+                compile_cache_dir: str | None) -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine"."""
     import jax

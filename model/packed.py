@@ -233,12 +233,12 @@ def linear(x: jax.Array, p: Packed, layer: jax.Array | None = None) -> jax.Array
     stacked = p if layer is not None else jax.tree.map(lambda a: a[None], p)
     il = jnp.int32(0) if layer is None else layer
     xq, s_err = _rounded(x, p.act, il, p.offset is not None)
+    xs = jnp.split(xq, 1 if p.nibble_bias is None else 2, axis=-1)  # one per block expand_parts gives
 
     def one(row0: jax.Array) -> jax.Array:
         part = jax.tree.map(lambda a: lax.dynamic_slice(a, (il, row0, 0), (1, rows, a.shape[-1]))[0], stacked)
         # the barrier keeps XLA from fusing the expansion into the dot, which XLA:CPU runs slowly
         ws = lax.optimization_barrier(expand_parts(part))
-        xs = jnp.split(xq, len(ws), axis=-1)
         y = sum(jnp.einsum("...i,oi->...o", xi, w) for xi, w in zip(xs, ws, strict=True))
         if s_err is not None:  # q8_1's sum term: offset * fp16(d * sum q), not offset * fp16(d) * sum q
             y = y + jnp.einsum("...b,ob->...o", s_err, part.offset[:, ::32 // part.group].astype(jnp.float32))

@@ -128,6 +128,8 @@ def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None
     """
     if not verified:
         raise PermissionError("refusing to load weights from a file that was not verified (bankml.verify)")
+    if activations not in ("f32", "ggml"):
+        raise ValueError(f"activations must be 'f32' or 'ggml', got {activations!r}")
     from gguf import GGUFReader  # gguf-py touches the file only after the guard and pin accepted it
 
     reader = GGUFReader(os.fspath(path))
@@ -137,12 +139,10 @@ def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None
         check_supported(int(t.tensor_type), t.name)
     if packed is None:
         packed = jax.default_backend() == "cpu"
-    if activations not in ("f32", "ggml"):
-        raise ValueError(f"activations must be 'f32' or 'ggml', got {activations!r}")
     return config, _build(config, tensors, packed, activations == "ggml")
 
 
-def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool = False) -> Weights:
+def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
     present: dict[str, int] = {}  # Layer field -> in how many blocks
@@ -184,7 +184,7 @@ def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool = Fa
     )
 
 
-def _stack(tensors: list, shape: tuple[int, ...], packed: bool, ggml_rounding: bool = False) -> Matrix:
+def _stack(tensors: list, shape: tuple[int, ...], packed: bool, ggml_rounding: bool) -> Matrix:
     """Per-layer tensors -> one [n, *shape] array, packed when asked and every tensor allows it."""
     types = [int(t.tensor_type) for t in tensors]
     if packed and len(shape) == 2 and all(t in PACKABLE_TYPES for t in types):
