@@ -31,10 +31,6 @@ class KVCache:
     def n_slots(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def capacity(self) -> int:
-        return self.v.shape[4]
-
 
 def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> KVCache:
     n_layer, h, dh = config.n_layer, config.n_head_kv, config.head_dim
