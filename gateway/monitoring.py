@@ -12,9 +12,9 @@ monitor what came out:
         answer.record(model, last)        # a completed answer: one /bankml/metrics record
 
 `record` builds the record from the final output, appends it to the ring, and feeds the lifetime
-Prometheus counters. Errors and abandoned answers push nothing to the ring (as the original) and
-count in `bankml_answers_total{finish="error"|"abort"}` when the `with` block is left without a
-record. The running and waiting gauges are the engine thread's own counts.
+Prometheus counters. Errors and abandoned answers push nothing to the ring (it holds completed
+answers only) and count in `bankml_answers_total{finish="error"|"abort"}` when the `with` block is
+left without a record. The running and waiting gauges are the engine thread's own counts.
 """
 
 from __future__ import annotations

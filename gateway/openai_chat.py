@@ -1,17 +1,18 @@
 """`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
 gateway/chat_request.py; `parse_messages` serves llama-server's /apply-template).
 
-Writing (with the original's JSON style: `", "` and `": "` separators; the top-level keys in the
+Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
 order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
 - non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason",
   ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
   "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
 - streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
   "object": "chat.completion.chunk"}`, with one `id` for the whole answer. A role delta
-  (`{"role": "assistant", "content": null}`) opens the stream, as OpenAI and llama-server send it;
+  (`{"role": "assistant", "content": null}`) opens the stream, as OpenAI sends it (llama-server
+  sends it with the first token's result, so not at all when that token ends inside a character);
   then one chunk per text piece; then a chunk with an empty delta and the finish_reason. Without
-  `stream_options.include_usage` that chunk carries `usage` (the original's, which llama-server
-  omits) and `timings.cache_n`; with it, `usage` and `timings` come in one more chunk whose
+  `stream_options.include_usage` that chunk carries `usage` (as bankML always has; llama-server
+  omits it) and `timings.cache_n`; with it, `usage` and `timings` come in one more chunk whose
   `choices` is `[]`, as llama-server and OpenAI send it. Then `data: {"choices": [], "bankml_receipt":
   ...}` (an empty `choices`, so a client that reads `choices` on every chunk does not break), then
   `data: [DONE]`. With logprobs, each entry rides on the chunk its token's text makes (on the role

@@ -5,7 +5,7 @@ verified file, for this request: `response_sha256` is the sha256 of the answer t
 (the message content, or the streamed deltas joined), `request_sha256` of the raw request body, and,
 when the answer has logprobs, `logprobs_sha256` of the `logprobs.content` array as this gateway writes
 it (a stream's entries gathered into one array, in the order sent).
-The times are whole milliseconds (the original's `as_millis`). `wall_ms` runs from the moment the
+The times are whole milliseconds, truncated. `wall_ms` runs from the moment the
 request was handed to the engine queue to the receipt. `ttft_ms` is, with --native, the engine's
 time to first text (from the answer's turn on the engine, as /bankml/metrics' `ttft_ms`), streamed
 or not; in front of llama-server it is the gateway's, to the first streamed piece (null when not

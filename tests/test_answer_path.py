@@ -98,7 +98,7 @@ def test_a_stream_opens_with_the_role_and_every_chunk_has_the_answers_id(server)
     assert {c["system_fingerprint"] for c in chunks} == {FINGERPRINT}
     assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": None},
                                      "finish_reason": None}]
-    # without stream_options.include_usage the finish chunk carries usage, as the original's
+    # without stream_options.include_usage the finish chunk carries usage all the same
     final = chunks[-1]
     assert list(final) == [*CHUNK_KEYS, "usage", "timings"]
     assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
