@@ -40,8 +40,7 @@ def _rate(n: int, ms: float) -> float | None:
 def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> dict[str, Any]:
     """The record of one completed answer, from its final StepOutput (its timeline and energy)."""
     why: dict[str, str] = {}
-    energy, energy_why = last.energy, last.energy_why
-    ttft_ms = last.timeline.ttft_ms if last.timeline is not None else None
+    energy, energy_why, ttft_ms = last.energy, last.energy_why, last.ttft_ms
     if energy is None:
         energy_j = package_j = gpu_j = None
         overlapped = False

@@ -58,9 +58,8 @@ class Answer:
         rec = answer_record(model, last)
         m = self._monitoring
         m.ring.append(rec)
-        ttft_ms = last.timeline.ttft_ms if last.timeline else None
         latency_ms = last.timeline.latency_ms if last.timeline else 0.0
-        m.prom.observe_answer(rec, ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
+        m.prom.observe_answer(rec, ttft_s=None if last.ttft_ms is None else last.ttft_ms / 1e3,
                               latency_s=latency_ms / 1e3)
         self.recorded = True
         return rec

@@ -49,8 +49,7 @@ class Tally:
     def answered(self, last: StepOutput) -> None:
         """The engine's final output: the counts, and the time to first text it measured."""
         self.prompt_tokens, self.completion_tokens = last.prompt_tokens, last.completion_tokens
-        ttft_ms = last.timeline.ttft_ms if last.timeline is not None else None
-        self.ttft_ms = None if ttft_ms is None else int(ttft_ms)
+        self.ttft_ms = None if last.ttft_ms is None else int(last.ttft_ms)
 
     def sent(self, text: str) -> None:
         """`text` went to the client as part of the answer."""

@@ -181,3 +181,7 @@ class StepOutput:
     @property
     def predicted_ms(self) -> float:
         return self.timeline.predicted_ms if self.timeline is not None else 0.0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return self.timeline.ttft_ms if self.timeline is not None else None
