@@ -28,7 +28,7 @@ from bankml import __version__
 from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
-from gateway.loopback import Limits, make_protocol
+from gateway.loopback import Limits, Shutdown, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.residency import Loader, Residency
 from gateway.sanic_app import bind, sanic_app
@@ -51,6 +51,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/v1/models"): llama_routes.models,
     ("GET", "/"): monitor_routes.root,  # the status page for a browser, else serving.md's line
     ("HEAD", "/"): monitor_routes.root,
+    ("HEAD", "/health"): llama_routes.health,  # a balancer's probe: GET's status and headers, no body
     ("POST", "/tokenize"): llama_routes.tokenize,
     ("POST", "/apply-template"): llama_routes.apply_template,
     ("POST", "/v1/chat/completions"): chat_completions,
@@ -75,8 +76,9 @@ class GatewayState:
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
 
 
-def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve") -> Sanic:
-    return sanic_app(name, limits, ROUTES, routes_text(), state)
+def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
+               shutdown: Shutdown | None = None) -> Sanic:
+    return sanic_app(name, limits, ROUTES, routes_text(), state, shutdown)
 
 
 def _address(host: str, port: int) -> str:
@@ -164,9 +166,12 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     upstream = _address(*sockets[1].getsockname()[:2])
     state = GatewayState(residency, client, upstream)
     state.monitoring = native_monitoring(state)
-    app = create_app(state, limits)
+    shutdown = Shutdown(float(options.config.get("serve", {}).get("shutdown_grace_s", 10.0)))
     for sock in sockets:
-        app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False,
+        shutdown.add_listener(sock)
+    app = create_app(state, limits, shutdown=shutdown)
+    for sock in sockets:
+        app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
                     access_log=False)
     v = loaded.verified
     log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,

@@ -124,13 +124,14 @@ ROUTES: dict[tuple[str, str], Callable[[Any, P0State], Awaitable[HTTPResponse]]]
     **monitor_routes.ROUTES,  # /, /bankml/usage, /bankml/metrics, /bankml/status, /metrics
     ("GET", "/bankml"): bankml,
     ("GET", "/health"): _proxy("/health"),
+    ("HEAD", "/health"): _proxy("/health"),  # llama-server's GET /health; Sanic sends no body for a HEAD
     ("GET", "/props"): _proxy("/props"),
     ("GET", "/v1/models"): _proxy("/v1/models"),
     ("POST", "/v1/chat/completions"): chat_completions,
 }
 
 ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/usage /bankml/metrics /bankml/status /metrics /health /props "
-               "/v1/models, POST /v1/chat/completions")
+               "/v1/models, HEAD / /health, POST /v1/chat/completions")
 ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients that are not browsers
 
 
