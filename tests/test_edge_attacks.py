@@ -56,10 +56,10 @@ def answer(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:
 # --- item: lengths, targets and methods that used to drop the connection --------------------------
 
 
-@pytest.mark.parametrize("length", ["²", "١٢", "1" * 5000, "0" * 20 + "1", "+1", "1 2", "-1"])
+# "²" as one latin-1 byte is what str.isdigit() took and int() refused: the connection dropped unanswered
+@pytest.mark.parametrize("length", [b"\xb2", "١٢".encode(), b"1" * 5000, b"0" * 20 + b"1", b"+1"])
 def test_a_length_that_is_not_ascii_digits_or_has_too_many_is_400(server, length):
-    raw = request_bytes("POST", "/tokenize", body=b"").replace(b"Content-Length: 0",
-                                                             b"Content-Length: " + length.encode("utf-8"))
+    raw = request_bytes("POST", "/tokenize", body=b"").replace(b"Content-Length: 0", b"Content-Length: " + length)
     status, headers, body = answer(server.port, raw)
     assert (status, body) == (400, b"bad Content-Length")
     assert headers["connection"] == "close" and headers["content-type"].startswith("text/plain")
