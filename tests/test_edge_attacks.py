@@ -22,12 +22,14 @@ from gateway_helpers import (
     _Server,
     connect,
     exchange,
+    free_port,
     read_all,
     request_bytes,
     split_response,
     status_of,
     tiny_model,
 )
+from p0_helpers import Engine, Gateway, configure, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -321,4 +323,33 @@ def test_answers_still_running_when_the_grace_ends_get_an_error_event_or_a_503(t
     finally:
         stream.close()
         plain.close()
+        g.stop()
+
+
+# --- P0: the same edge in front of llama-server (the mock) ----------------------------------------
+
+
+def test_p0_head_health_and_a_stop_signal_that_lets_the_stream_in_flight_finish(tmp_path):
+    model, fork = tiny_model(tmp_path / "models")
+    engine = Engine(tmp_path / "engine")
+    up = free_port()
+    config = tmp_path / "p0.toml"
+    config.write_text("[serve]\nshutdown_grace_s = 30.0\n")
+    g = Gateway(model, fork, "--spawn", str(engine.bin), "--upstream", f"127.0.0.1:{up}", "--config", str(config))
+    try:
+        assert g.ready, g.log()
+        status, headers, body = answer(g.port, request_bytes("HEAD", "/health"))
+        assert (status, body) == (200, b"") and headers["content-length"] == str(len(b'{"status":"ok"}'))
+        configure(up, stream_delay_ms=700)  # two pieces: about 1.4 s
+        with connect(g.port, timeout_s=20) as s:
+            s.sendall(chat(True))
+            first = s.recv(65536)
+            assert status_of(first) == 200
+            g.proc.send_signal(signal.SIGTERM)
+            assert wait_refused(g.port)
+            events = dechunk(split_response(first + read_all(s))[2])
+        assert events.endswith(b"data: [DONE]\n\n<end>") and b'"bankml_receipt"' in events, events[-300:]
+        assert g.exit_code() == 128 + signal.SIGTERM
+        assert wait_gone(engine.recorded()["pid"])  # llama-server does not outlive the gateway
+    finally:
         g.stop()
