@@ -28,10 +28,11 @@ from bankml import __version__
 from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
-from gateway.loopback import Limits, Shutdown, make_protocol
+from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.residency import Loader, Residency
 from gateway.sanic_app import bind, sanic_app
+from gateway.shutdown import Shutdown
 from gpu_monitor import limiter
 from model import device_budget
 from model.engine_thread import EngineThread

@@ -19,9 +19,8 @@ byte while a request is read (head and body), 120 s blocked on a write; and, sin
 a byte now and then is never silent, a head not complete within 10 s, or a body that after a 10 s
 grace comes slower than 1 KiB/s on average, is answered 408.
 
-On SIGTERM or SIGINT, `Shutdown` stops the listeners, lets the answers in flight finish within the
-grace period ([serve] shutdown_grace_s), and then ends the rest: a stream with an SSE error event, an
-answer not yet started with a 503.
+Every connection registers with its server's `Shutdown` (shutdown.py): on SIGTERM or SIGINT a head
+still coming in is answered 503, and the answers in flight get the grace period to finish.
 
 Why a protocol of our own rather than Sanic's limits: Sanic's REQUEST_MAX_HEADER_SIZE caps the whole
 head (and at most 16 KiB), not one line, and it answers 413 where the original answers 400; Sanic
@@ -39,11 +38,8 @@ so the llama-server proxy (P0) reuses them unchanged, and so does `make_protocol
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import re
-import socket
 from dataclasses import dataclass
 from time import monotonic
 
@@ -51,6 +47,8 @@ from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
 from sanic.models.server_types import ConnInfo
 from sanic.server.protocols.http_protocol import HttpProtocol
+
+from gateway.shutdown import SHUTTING_DOWN, Shutdown, sse_error_event
 
 log = logging.getLogger("bankml.gateway")
 
@@ -68,10 +66,8 @@ CONNECT_REFUSED = "CONNECT is not supported: bankml serve is not a proxy"
 BAD_FIELD = "control character in a header field"
 TWO_HOSTS = "more than one Host header"
 BAD_LENGTH = "bad Content-Length"
-SHUTTING_DOWN = "bankml serve is shutting down"
 
 QUIET_MS = 50  # a drain with no announced length stops after this long without a byte
-ENDED_CLOSE_S = 1.0  # at shutdown, how long the ended answers (and drains, 200 ms) get to reach the wire
 
 
 @dataclass(frozen=True)
@@ -248,87 +244,6 @@ def plain_response(status: int, text: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1") + body
 
 
-class Shutdown:
-    """The open connections of a server's listeners, and how they end when it stops (SIGTERM, SIGINT).
-
-    `stop()`, once, on the serving loop: stop listening (a new connection is refused by the kernel);
-    answer 503 to every connection still sending its head; let the answers in flight finish for up to
-    `grace_s`; then end each one left: a stream with an SSE error event, an answer not yet started with
-    a 503, anything else (a plain answer half written) is cut. Sanic's own shutdown runs after this and
-    finds nothing left to wait for.
-    """
-
-    def __init__(self, grace_s: float = 10.0):
-        self.grace_s = grace_s
-        self._listeners: list[tuple[int, int, tuple]] = []  # (fd, family, address) of each listening socket
-        self.open: set[LoopbackProtocol] = set()
-        self._none_open = asyncio.Event()
-        self._stopping: asyncio.Future | None = None
-
-    def add_listener(self, sock: socket.socket) -> None:
-        """Call before the server takes the socket: the event loop may detach it from its object."""
-        self._listeners.append((sock.fileno(), sock.family, sock.getsockname()))
-
-    def add(self, conn: LoopbackProtocol) -> None:
-        self.open.add(conn)
-        self._none_open.clear()
-
-    def discard(self, conn: LoopbackProtocol) -> None:
-        self.open.discard(conn)
-        if not self.open:
-            self._none_open.set()
-
-    async def stop(self) -> None:
-        # Sanic runs its stop listeners once per listener: the second call waits for the first
-        if self._stopping is None:
-            self._stopping = asyncio.ensure_future(self._stop())
-        await asyncio.shield(self._stopping)
-
-    async def _stop(self) -> None:
-        for fd, family, address in self._listeners:
-            _stop_listening(fd, family, address)
-        in_flight = sum(conn.in_flight for conn in self.open)
-        log.info("stopping: no new connections; %d answer(s) in flight get up to %g s", in_flight, self.grace_s)
-        for conn in list(self.open):
-            conn.refuse_head(Refusal(503, SHUTTING_DOWN))
-        if not await self._none_open_within(self.grace_s):
-            log.info("stopping: %d answer(s) still running after %g s are ended", len(self.open), self.grace_s)
-            for conn in list(self.open):
-                conn.end_for_shutdown()
-            await self._none_open_within(ENDED_CLOSE_S)
-
-    async def _none_open_within(self, timeout_s: float) -> bool:
-        if not self.open:
-            return True
-        try:
-            await asyncio.wait_for(self._none_open.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
-
-def _stop_listening(fd: int, family: int, address: tuple) -> None:
-    """Close a listening socket under the event loop's feet, safely: a fresh unbound socket is put in
-    its place (dup2 is atomic), so the loop's watcher still names a valid fd, one that never fires, and
-    the listener itself is gone, so connect() is refused at once. Sanic keeps the loop's server objects
-    to itself (the first listener's in a local variable), so closing those is not an option; and the fd
-    is checked first, so one the loop has already closed and reused is left alone."""
-    try:
-        with socket.fromfd(fd, family, socket.SOCK_STREAM) as probe:  # a dup: closing it leaves fd open
-            if not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or probe.getsockname() != address:
-                return
-    except OSError:
-        return
-    with socket.socket(family, socket.SOCK_STREAM) as blank:
-        os.dup2(blank.fileno(), fd)
-
-
-def _sse_error_event(status: int, message: str) -> bytes:
-    # the shape of gateway/openai_chat.py's error_event, llama-server's error object
-    return b"data: " + json.dumps({"error": {"code": status, "message": message,
-                                             "type": "unavailable_error"}}).encode() + b"\n\n"
-
-
 class _LoopbackHttp(Http):
     # Sanic caps a head at 16 KiB in all (Http.HEADER_CEILING); ours is bounded per line and by line
     # count before it gets here, so Sanic's cap is raised to that bound.
@@ -494,9 +409,10 @@ class LoopbackProtocol(HttpProtocol):
     def in_flight(self) -> bool:
         return self._mode == "pass"
 
-    def refuse_head(self, refusal: Refusal) -> None:
+    def refuse_head(self) -> None:
+        """The server stops: a request still coming in is not taken."""
         if self._mode == "head":
-            self._refuse(refusal)
+            self._refuse(Refusal(503, SHUTTING_DOWN))
 
     def end_for_shutdown(self) -> None:
         """The grace period is over and this answer still runs: end it as well as its state allows."""
@@ -515,7 +431,7 @@ class LoopbackProtocol(HttpProtocol):
         # every send of the handler went to the transport whole, so the stream stands at an event's end:
         # stop the handler, then end the body with the error event, in Sanic's chunked framing if it used it
         task.cancel()
-        event = _sse_error_event(503, SHUTTING_DOWN + "; the answer was cut short")
+        event = sse_error_event(503, SHUTTING_DOWN + "; the answer was cut short")
         chunked = http.response_func == http.http1_response_chunked
         self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if chunked else event)
         self._close_transport()

@@ -39,10 +39,11 @@ from bankml import __version__, jstr
 from bankml.serve import GatedModel, Refusal, ServeOptions
 from gateway import monitor_routes
 from gateway.errors import ApiError, json_response
-from gateway.loopback import Limits, Shutdown, make_protocol
+from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.p0_chat import chat_completions
 from gateway.sanic_app import bind, sanic_app
+from gateway.shutdown import Shutdown
 from gateway.spawn import STOP_SIGNALS, SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
 from gateway.upstream import (
     MAX_UPSTREAM_BODY_BYTES,

@@ -13,7 +13,8 @@ from sanic import Sanic
 from sanic.exceptions import NotFound
 
 from gateway.errors import GatewayErrorHandler
-from gateway.loopback import Limits, Shutdown
+from gateway.loopback import Limits
+from gateway.shutdown import Shutdown
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
 
