@@ -167,7 +167,7 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     upstream = _address(*sockets[1].getsockname()[:2])
     state = GatewayState(residency, client, upstream)
     state.monitoring = native_monitoring(state)
-    shutdown = Shutdown(float(options.config.get("serve", {}).get("shutdown_grace_s", 10.0)))
+    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
     for sock in sockets:
         shutdown.add_listener(sock)
     app = create_app(state, limits, shutdown=shutdown)

@@ -335,7 +335,7 @@ class LoopbackProtocol(HttpProtocol):
         self._cancel_head_timer()
         if self._body_left <= 0:
             self._cancel_read_timer()
-        else:
+        elif self.limits.min_body_bytes_per_s > 0:  # 0: no minimum rate
             self._body_since, self._body_got = monotonic(), len(head.body_start)
             self._body_timer = self.loop.call_later(self.limits.body_grace_s, self._body_rate_check)
         self.connections.add(self)

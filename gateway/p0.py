@@ -3,7 +3,7 @@
 It vouches for the file, the path and the transcript, not for the arithmetic: the tokens come from
 llama-server. `run_p0(gated, options)`, after bankml.serve verified the file (gate.md §1 steps 1-3):
 5. SIGTERM, SIGINT and SIGHUP stop a spawned engine, then exit 128 + the signal (spawn.py); once
-   serving, the answers in flight are let finish first (loopback.Shutdown, [serve] shutdown_grace_s),
+   serving, the answers in flight are let finish first (shutdown.py, [serve] shutdown_grace_s),
    and a second signal meanwhile stops at once;
 6. with --spawn: refuse if anything answers on the upstream address, else launch llama-server on the
    canonical path of the verified file;
@@ -250,7 +250,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     state = P0State(gated, options.upstream, up, engine_name(build_info), hashed_at, spawned,
                     int(limits_table.get("max_upstream_body_bytes", MAX_UPSTREAM_BODY_BYTES)))
     state.monitoring = p0_monitoring(state)
-    shutdown = Shutdown(float(options.config.get("serve", {}).get("shutdown_grace_s", 10.0)))
+    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
     shutdown.add_listener(sock)
     app = create_p0_app(state, limits, shutdown=shutdown)
     app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
