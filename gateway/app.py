@@ -32,6 +32,7 @@ from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.residency import Loader, Residency
 from gateway.sanic_app import bind, sanic_app
+from gateway.shutdown import Shutdown
 from gpu_monitor import limiter
 from model import device_budget
 from model.engine_thread import EngineThread
@@ -51,6 +52,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/v1/models"): llama_routes.models,
     ("GET", "/"): monitor_routes.root,  # the status page for a browser, else serving.md's line
     ("HEAD", "/"): monitor_routes.root,
+    ("HEAD", "/health"): llama_routes.health,  # a balancer's probe: GET's status and headers, no body
     ("POST", "/tokenize"): llama_routes.tokenize,
     ("POST", "/apply-template"): llama_routes.apply_template,
     ("POST", "/v1/chat/completions"): chat_completions,
@@ -75,8 +77,9 @@ class GatewayState:
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
 
 
-def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve") -> Sanic:
-    return sanic_app(name, limits, ROUTES, routes_text(), state)
+def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
+               shutdown: Shutdown | None = None) -> Sanic:
+    return sanic_app(name, limits, ROUTES, routes_text(), state, shutdown)
 
 
 def _address(host: str, port: int) -> str:
@@ -165,9 +168,12 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
     upstream = _address(*sockets[1].getsockname()[:2])
     state = GatewayState(residency, client, upstream)
     state.monitoring = native_monitoring(state)
-    app = create_app(state, limits)
+    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
     for sock in sockets:
-        app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False,
+        shutdown.add_listener(sock)
+    app = create_app(state, limits, shutdown=shutdown)
+    for sock in sockets:
+        app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
                     access_log=False)
     v = loaded.verified
     log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,

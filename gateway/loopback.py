@@ -2,18 +2,25 @@
 
 Checks, in the original's order:
 1. while the head is read: a request or header line over 16 KiB (terminator included), or more than
-   100 header lines -> 400;
-2. a Host other than 127.0.0.1, localhost or [::1], any port (a missing Host counts) -> 403;
+   100 header lines -> 400; once it is in: a request line that is not three parts, a control byte in
+   the request line or a header line (HTAB aside), or CONNECT -> 400;
+2. more than one Host header -> 400 (RFC 9112 §3.2); a Host other than 127.0.0.1, localhost or [::1],
+   with no port or one of ASCII digits (a missing Host counts) -> 403;
 3. OPTIONS (a cross-origin preflight; this server has no --allow-origin) -> 403;
 4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
-5. a Content-Length over 16 MiB -> 413;
-6. a POST whose Content-Type does not start with application/json -> 415;
+5. a Content-Length that is not 1-19 ASCII digits -> 400, over 16 MiB -> 413;
+6. a POST whose Content-Type is not application/json (any case, then only `;` parameters) -> 415;
 7. more than 32 open connections on a listener -> 503, decided when the connection is accepted.
 
 Refusals are text/plain with `Connection: close`. Each is written at once, then what the client sent
 is read and discarded (its announced body, or until it pauses for 50 ms) for at most 200 ms before the
 socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
-byte while a request is read (head and body), 120 s blocked on a write.
+byte while a request is read (head and body), 120 s blocked on a write; and, since a client that sends
+a byte now and then is never silent, a head not complete within 10 s, or a body that after a 10 s
+grace comes slower than 1 KiB/s on average, is answered 408.
+
+Every connection registers with its server's `Shutdown` (shutdown.py): on SIGTERM or SIGINT a head
+still coming in is answered 503, and the answers in flight get the grace period to finish.
 
 Why a protocol of our own rather than Sanic's limits: Sanic's REQUEST_MAX_HEADER_SIZE caps the whole
 head (and at most 16 KiB), not one line, and it answers 413 where the original answers 400; Sanic
@@ -32,12 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass
 from time import monotonic
 
-from sanic.http import Http
+from sanic.exceptions import ServiceUnavailable
+from sanic.http import Http, Stage
 from sanic.models.server_types import ConnInfo
 from sanic.server.protocols.http_protocol import HttpProtocol
+
+from gateway.shutdown import SHUTTING_DOWN, Shutdown, sse_error_event
 
 log = logging.getLogger("bankml.gateway")
 
@@ -50,6 +61,11 @@ HEAD_TOO_LARGE = "request head too large"
 BAD_HEAD = "malformed request head"
 PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (no --allow-origin)"
 TOO_MANY = "bankml serve: too many connections"
+BAD_TARGET = "malformed request target"
+CONNECT_REFUSED = "CONNECT is not supported: bankml serve is not a proxy"
+BAD_FIELD = "control character in a header field"
+TWO_HOSTS = "more than one Host header"
+BAD_LENGTH = "bad Content-Length"
 
 QUIET_MS = 50  # a drain with no announced length stops after this long without a byte
 
@@ -63,6 +79,9 @@ class Limits:
     read_timeout_s: float = 30.0
     write_timeout_s: float = 120.0
     drain_ms: int = 200
+    head_timeout_s: float = 10.0  # the whole head, however it trickles in
+    body_grace_s: float = 10.0  # then the body must keep up min_body_bytes_per_s on average
+    min_body_bytes_per_s: int = 1024
 
     @classmethod
     def from_config(cls, limits: dict) -> Limits:
@@ -135,14 +154,32 @@ class HeadReader:
             self._lines.append(line)
 
 
+# A control byte (HTAB aside) has no place in a request or header line (RFC 9112 §3, RFC 9110 §5.5); a
+# NUL or a bare CR passed on could split a line differently downstream than here.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+MAX_LENGTH_DIGITS = 19  # any length this server takes has far fewer; more is no number int() should see
+_JSON_TYPE = re.compile(r"application/json[ \t]*(;.*)?", re.IGNORECASE | re.DOTALL)
+
+
 def _parse_head(lines: list[bytes], body_start: bytes) -> Head | Refusal:
     # latin-1 keeps every byte as one character, so nothing is lost before Sanic sees it
-    parts = lines[0].decode("latin-1").split()
+    line = lines[0].decode("latin-1")
+    parts = line.split()
     if len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
         return Refusal(400, BAD_HEAD)
+    if _CONTROL.search(parts[1]):
+        return Refusal(400, BAD_TARGET)
+    if _CONTROL.search(line):
+        return Refusal(400, BAD_HEAD)
+    if parts[0] == "CONNECT":  # a tunnel to host:port; nothing here routes it
+        return Refusal(400, CONNECT_REFUSED)
     headers = []
     for raw in lines[1:]:
-        name, sep, value = raw.decode("latin-1").partition(":")
+        text = raw.decode("latin-1")
+        if _CONTROL.search(text):
+            return Refusal(400, BAD_FIELD)
+        name, sep, value = text.partition(":")
         if not sep or not name.strip():
             return Refusal(400, BAD_HEAD)
         headers.append((name.strip().lower(), value.strip()))
@@ -150,27 +187,38 @@ def _parse_head(lines: list[bytes], body_start: bytes) -> Head | Refusal:
 
 
 def loopback_host(value: str) -> bool:
-    """127.0.0.1, localhost or [::1], with or without a port; anything else (an empty one too) is not."""
+    """127.0.0.1, localhost or [::1], with or without a port of ASCII digits; anything else (an empty
+    one too, or `127.0.0.1:evil.example`) is not."""
     h = value.strip().lower()
     if h.startswith("["):
         host, _, rest = h.partition("]")
-        return host == "[::1" and (rest == "" or rest.startswith(":"))
-    return h.split(":")[0] in ("127.0.0.1", "localhost")
+        return host == "[::1" and (rest == "" or (rest.startswith(":") and _port(rest[1:])))
+    host, sep, port = h.partition(":")
+    return host in ("127.0.0.1", "localhost") and (not sep or _port(port))
+
+
+def _port(text: str) -> bool:
+    # RFC 3986's port = *DIGIT (an empty one included), and no port has more than 5
+    return len(text) <= 5 and (text == "" or _ASCII_DIGITS.fullmatch(text) is not None)
 
 
 def content_length(head: Head) -> int | Refusal:
     values = {v for k, v in head.headers if k == "content-length"}
     if not values:
         return 0
-    if len(values) > 1 or not next(iter(values)).isdigit():
-        return Refusal(400, "bad Content-Length")
-    return int(next(iter(values)))
+    value = next(iter(values))
+    # str.isdigit() takes "²" and int() takes "١٢"; only ASCII digits are a length, and only so many
+    if len(values) > 1 or len(value) > MAX_LENGTH_DIGITS or not _ASCII_DIGITS.fullmatch(value):
+        return Refusal(400, BAD_LENGTH)
+    return int(value)
 
 
 def check_head(head: Head, limits: Limits) -> Refusal | None:
     """Rules 2-6 on a complete head; None when the request may go on."""
     n = content_length(head)
     drain = None if isinstance(n, Refusal) else min(n, limits.max_body_bytes)
+    if sum(k == "host" for k, _ in head.headers) > 1:  # RFC 9112 §3.2: a 400, whichever is first
+        return Refusal(400, TWO_HOSTS, drain)
     if not loopback_host(head.header("host") or ""):
         return Refusal(403, HOST_REFUSED, drain)
     if head.method == "OPTIONS":
@@ -181,7 +229,7 @@ def check_head(head: Head, limits: Limits) -> Refusal | None:
         return n
     if n > limits.max_body_bytes:
         return Refusal(413, TOO_LARGE, drain)
-    if head.method == "POST" and not (head.header("content-type") or "").lower().startswith("application/json"):
+    if head.method == "POST" and not _JSON_TYPE.fullmatch(head.header("content-type") or ""):
         return Refusal(415, NOT_JSON, drain)
     return None
 
@@ -212,6 +260,7 @@ class LoopbackProtocol(HttpProtocol):
 
     limits: Limits = Limits()
     _live: list[int] = [0]  # open connections on this listener (one class per listener)
+    shutdown: Shutdown = Shutdown()  # shared by the listeners of one server
     HTTP_CLASS = _LoopbackHttp
 
     def connection_made(self, transport):
@@ -228,6 +277,10 @@ class LoopbackProtocol(HttpProtocol):
         self._drain_event = asyncio.Event()
         self._closed = False
         self._last_rx = monotonic()
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_got = 0  # body bytes in so far, and since when (the minimum rate's clock)
+        self._body_since = 0.0
         if self._live[0] >= self.limits.max_connections:
             self._mode = "over"
             self._drain_task = self.loop.create_task(self._answer_over_limit())
@@ -236,6 +289,9 @@ class LoopbackProtocol(HttpProtocol):
         self._counted = True
         self._head = HeadReader(self.limits)
         self._arm_read_timer()
+        # the read timer only measures silence: a head sent a byte a second would hold a slot for ever
+        self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+        self.shutdown.add(self)
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -243,9 +299,11 @@ class LoopbackProtocol(HttpProtocol):
         if self._mode == "pass":
             if self._body_left > 0:
                 self._body_left -= len(data)
+                self._body_got += len(data)
                 self._last_rx = monotonic()
                 if self._body_left <= 0:
                     self._cancel_read_timer()
+                    self._cancel_body_timer()
             return super().data_received(data)
         self._last_rx = monotonic()
         self._time = self._last_rx
@@ -274,8 +332,12 @@ class LoopbackProtocol(HttpProtocol):
         # read timeout stays ours until the announced body is in
         n = content_length(head)
         self._body_left = (n if isinstance(n, int) else 0) - len(head.body_start)
+        self._cancel_head_timer()
         if self._body_left <= 0:
             self._cancel_read_timer()
+        elif self.limits.min_body_bytes_per_s > 0:  # 0: no minimum rate
+            self._body_since, self._body_got = monotonic(), len(head.body_start)
+            self._body_timer = self.loop.call_later(self.limits.body_grace_s, self._body_rate_check)
         self.connections.add(self)
         self._task = self.loop.create_task(self.connection_task())
         super().data_received(head.serialized())
@@ -289,6 +351,9 @@ class LoopbackProtocol(HttpProtocol):
     def connection_lost(self, exc):
         self._closed = True
         self._cancel_read_timer()
+        self._cancel_head_timer()
+        self._cancel_body_timer()
+        self.shutdown.discard(self)
         if self._write_timer is not None:
             self._write_timer.cancel()
         if self._counted:
@@ -302,6 +367,8 @@ class LoopbackProtocol(HttpProtocol):
     def _refuse(self, refusal: Refusal) -> None:
         self._mode = "drain"
         self._cancel_read_timer()
+        self._cancel_head_timer()
+        self._cancel_body_timer()
         self._head = None
         log.info("refused %d: %s", refusal.status, refusal.text)
         self._drain_left = refusal.drain_bytes
@@ -336,6 +403,39 @@ class LoopbackProtocol(HttpProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    # --- shutdown ------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> bool:
+        return self._mode == "pass"
+
+    def refuse_head(self) -> None:
+        """The server stops: a request still coming in is not taken."""
+        if self._mode == "head":
+            self._refuse(Refusal(503, SHUTTING_DOWN))
+
+    def end_for_shutdown(self) -> None:
+        """The grace period is over and this answer still runs: end it as well as its state allows."""
+        http, task = getattr(self, "_http", None), getattr(self, "_task", None)
+        if self._mode != "pass" or http is None or task is None:
+            return self._close_transport()  # a refusal being drained: answered already
+        if http.stage is Stage.HANDLER:  # nothing written yet: Sanic answers the exception (a 503)
+            http.exception = ServiceUnavailable(SHUTTING_DOWN)
+            task.cancel()
+            return
+        response = http.response
+        stream = http.stage is Stage.RESPONSE and "text/event-stream" in (getattr(response, "content_type", "") or "")
+        if not stream:
+            self.transport.abort()  # a plain answer half written cannot be ended well
+            return
+        # every send of the handler went to the transport whole, so the stream stands at an event's end:
+        # stop the handler, then end the body with the error event, in Sanic's chunked framing if it used it
+        task.cancel()
+        event = sse_error_event(503, SHUTTING_DOWN + "; the answer was cut short")
+        chunked = http.response_func == http.http1_response_chunked
+        self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if chunked else event)
+        self._close_transport()
+
     # --- timeouts ------------------------------------------------------------------------------
 
     def _arm_read_timer(self) -> None:
@@ -356,6 +456,36 @@ class LoopbackProtocol(HttpProtocol):
         log.info("read timeout: nothing from the client for %.0f s; closing", self.limits.read_timeout_s)
         self.transport.abort()  # in "pass" mode connection_lost follows, and Sanic cancels the request
 
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._mode == "head":
+            self._refuse(Refusal(408, f"request head not complete within {self.limits.head_timeout_s:g} s"))
+
+    def _body_rate_check(self) -> None:
+        """After body_grace_s, the body must have come at min_body_bytes_per_s on average: each byte
+        buys 1/rate s more (the rule of Apache httpd's modules/filters/mod_reqtimeout.c, MinRate)."""
+        self._body_timer = None
+        if self._mode != "pass" or self._body_left <= 0:
+            return
+        rate = self.limits.min_body_bytes_per_s
+        due = self._body_since + self.limits.body_grace_s + self._body_got / rate
+        if monotonic() < due:
+            self._body_timer = self.loop.call_later(due - monotonic(), self._body_rate_check)
+            return
+        # Sanic is still waiting for the body, and nothing has been written: the answer is ours, and the
+        # rest of the body is drained, not passed on; Sanic's request task ends when the socket closes
+        self._refuse(Refusal(408, f"request body slower than {rate} bytes/s", self._body_left))
+
     def pause_writing(self):
         super().pause_writing()
         if self._write_timer is None:
@@ -374,8 +504,10 @@ class LoopbackProtocol(HttpProtocol):
             self.transport.abort()  # connection_lost follows, and Sanic cancels the request
 
 
-def make_protocol(limits: Limits) -> type[LoopbackProtocol]:
-    """A protocol class for one listener: these limits and its own connection count."""
+def make_protocol(limits: Limits, shutdown: Shutdown | None = None) -> type[LoopbackProtocol]:
+    """A protocol class for one listener: these limits, its own connection count, and the server's
+    shutdown (one for all its listeners)."""
     http_class = type("LoopbackHttp", (_LoopbackHttp,), {"HEADER_MAX_SIZE": limits.max_head_bytes})
     return type("LoopbackProtocol", (LoopbackProtocol,), {"limits": limits, "_live": [0],
+                                                          "shutdown": shutdown or Shutdown(),
                                                           "HTTP_CLASS": http_class})

@@ -2,7 +2,9 @@
 
 It vouches for the file, the path and the transcript, not for the arithmetic: the tokens come from
 llama-server. `run_p0(gated, options)`, after bankml.serve verified the file (gate.md §1 steps 1-3):
-5. SIGTERM, SIGINT and SIGHUP stop a spawned engine, then exit 128 + the signal (spawn.py);
+5. SIGTERM, SIGINT and SIGHUP stop a spawned engine, then exit 128 + the signal (spawn.py); once
+   serving, the answers in flight are let finish first (shutdown.py, [serve] shutdown_grace_s),
+   and a second signal meanwhile stops at once;
 6. with --spawn: refuse if anything answers on the upstream address, else launch llama-server on the
    canonical path of the verified file;
 7. poll /health every 500 ms, for 900 s with --spawn (a spawned engine that exits is noticed at once,
@@ -20,8 +22,10 @@ loopback rules first (loopback.py, shared with --native unchanged).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -39,7 +43,8 @@ from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.p0_chat import chat_completions
 from gateway.sanic_app import bind, sanic_app
-from gateway.spawn import SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
+from gateway.shutdown import Shutdown
+from gateway.spawn import STOP_SIGNALS, SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
 from gateway.upstream import (
     MAX_UPSTREAM_BODY_BYTES,
     Upstream,
@@ -72,6 +77,7 @@ class P0State:
     max_upstream_body_bytes: int = MAX_UPSTREAM_BODY_BYTES
     upstream: Upstream | None = None  # the pooled client, made in the serving loop
     monitoring: Monitoring | None = None
+    stop_signal: int = 0  # the signal that stopped the server while it served (the exit is 128 + it)
 
 
 # --- routes ------------------------------------------------------------------------------------
@@ -124,17 +130,20 @@ ROUTES: dict[tuple[str, str], Callable[[Any, P0State], Awaitable[HTTPResponse]]]
     **monitor_routes.ROUTES,  # /, /bankml/usage, /bankml/metrics, /bankml/status, /metrics
     ("GET", "/bankml"): bankml,
     ("GET", "/health"): _proxy("/health"),
+    ("HEAD", "/health"): _proxy("/health"),  # llama-server's GET /health; Sanic sends no body for a HEAD
     ("GET", "/props"): _proxy("/props"),
     ("GET", "/v1/models"): _proxy("/v1/models"),
     ("POST", "/v1/chat/completions"): chat_completions,
 }
 
 ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/usage /bankml/metrics /bankml/status /metrics /health /props "
-               "/v1/models, POST /v1/chat/completions")
+               "/v1/models, HEAD / /health, POST /v1/chat/completions")
 ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients that are not browsers
 
 
-def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0") -> Sanic:
+def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutdown: Shutdown | None = None) -> Sanic:
+    """With `shutdown`, a stop signal while serving ends the connections gracefully (the answers in
+    flight need llama-server, so it is stopped after them); without, at once, as during start-up."""
     app = sanic_app(name, limits, ROUTES, ROUTES_TEXT, state)
 
     @app.before_server_start
@@ -144,7 +153,25 @@ def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0") -> Sa
     @app.after_server_start
     async def own_signals(app):
         # Sanic set SIGINT and SIGTERM to its own (or ignored) while starting: ours again
-        install_stop_signals(lambda: state.spawned)
+        if shutdown is None:
+            return install_stop_signals(lambda: state.spawned)
+
+        def stop(signum: int) -> None:
+            state.stop_signal = signum
+            log.info("signal %s: stopping", signal.Signals(signum).name)
+            app.stop(terminate=False)
+
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
+
+    if shutdown is not None:
+        @app.before_server_stop
+        async def end_connections(app):
+            # a second signal while the answers finish stops the engine and exits at once (Sanic
+            # has just taken its SIGINT and SIGTERM handlers away)
+            install_stop_signals(lambda: state.spawned)
+            await shutdown.stop()
 
     @app.after_server_stop
     async def close_upstream(app):
@@ -223,9 +250,11 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     state = P0State(gated, options.upstream, up, engine_name(build_info), hashed_at, spawned,
                     int(limits_table.get("max_upstream_body_bytes", MAX_UPSTREAM_BODY_BYTES)))
     state.monitoring = p0_monitoring(state)
-    app = create_p0_app(state, limits)
-    app.prepare(sock=sock, protocol=make_protocol(limits), single_process=True, motd=False, access_log=False,
-                register_sys_signals=False)
+    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
+    shutdown.add_listener(sock)
+    app = create_p0_app(state, limits, shutdown=shutdown)
+    app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
+                access_log=False, register_sys_signals=False)
     if spawned is not None:
         _watch(spawned)
     listen = address(*sock.getsockname()[:2])
@@ -238,4 +267,4 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
         if spawned is not None:
             spawned.stop()
         sock.close()
-    return 0
+    return 128 + state.stop_signal if state.stop_signal else 0

@@ -14,12 +14,15 @@ from sanic.exceptions import NotFound
 
 from gateway.errors import GatewayErrorHandler
 from gateway.loopback import Limits
+from gateway.shutdown import Shutdown
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
 
 
 def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler], routes_text: str,
-              state: Any) -> Sanic:
+              state: Any, shutdown: Shutdown | None = None) -> Sanic:
+    """With `shutdown`, a stop (SIGTERM, SIGINT) ends the connections of its listeners gracefully
+    (loopback.Shutdown) before Sanic's own shutdown runs."""
     app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(routes_text))
     app.config.update({
         "REQUEST_MAX_SIZE": limits.max_body_bytes,
@@ -35,6 +38,10 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
         "FALLBACK_ERROR_FORMAT": "text",
     })
     app.ctx.state = state
+    if shutdown is not None:
+        @app.before_server_stop
+        async def end_connections(app):
+            await shutdown.stop()
 
     async def dispatch(request, path: str = ""):
         # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404 (gate.md §5)

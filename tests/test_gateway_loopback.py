@@ -315,7 +315,7 @@ def test_paths_match_exactly(server, target):
 
 def test_wrong_methods_are_404_and_options_is_403(server):
     assert status_of(exchange(server.port, request_bytes("POST", "/health", body=b"{}"))) == 404
-    assert status_of(exchange(server.port, request_bytes("HEAD", "/health"))) == 404
+    assert status_of(exchange(server.port, request_bytes("HEAD", "/props"))) == 404
     assert status_of(exchange(server.port, request_bytes("OPTIONS", "/v1/chat/completions"))) == 403
 
 
