@@ -230,7 +230,7 @@ class WordTooLong(InvalidText):
     """A run of text that cannot be cut without changing its tokens is longer than the merge loop takes."""
 
 
-def exact_chunks(word: str, unsafe: Container[str], max_chars: int = MAX_MERGE_CHARS) -> list[str]:
+def exact_chunks(word: str, unsafe: Container[str], max_chars: int) -> list[str]:
     """`word` in pieces of at most `max_chars`, cut only between two characters whose pair is not in
     `unsafe` (the pairs some merge would join), so that merging the pieces one by one gives the
     tokens the whole word gives."""
@@ -299,7 +299,8 @@ class BpeModel:
             return self._word(encoded)
         if self.pre.ignore_merges and encoded in self.token_to_id:
             return (self.token_to_id[encoded],)
-        return tuple(t for chunk in exact_chunks(encoded, self.junctions) for t in self._word(chunk, merges_only=True))
+        chunks = exact_chunks(encoded, self.junctions, MAX_MERGE_CHARS)
+        return tuple(t for chunk in chunks for t in self._word(chunk, merges_only=True))
 
     def _remember(self, word: str, ids: tuple[int, ...]) -> None:
         if len(word) > self._CACHE_WORD_MAX:

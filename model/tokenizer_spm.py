@@ -12,7 +12,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from model.tokenizer_bpe import MAX_MERGE_CHARS, exact_chunks
+from model import tokenizer_bpe
+from model.tokenizer_bpe import exact_chunks
 
 
 class SpmError(ValueError):
@@ -56,7 +57,8 @@ class SpmModel:
         if ids is None:
             # merges run over the whole fragment; a long one is merged in pieces cut where no token
             # spans the cut, which gives the same tokens (model/tokenizer_bpe.py, exact_chunks)
-            chunks = exact_chunks(text, self.junctions) if len(text) > MAX_MERGE_CHARS else [text]
+            limit = tokenizer_bpe.MAX_MERGE_CHARS
+            chunks = exact_chunks(text, self.junctions, limit) if len(text) > limit else [text]
             ids = tuple(t for chunk in chunks if chunk for t in self._merge(chunk))
             if len(text) <= self._CACHE_TEXT_MAX:
                 size = 100 + 2 * len(text) + 8 * len(ids)
