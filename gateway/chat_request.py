@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: the body read once, as llama-server reads it, before any model work.
 
 `parse_chat(body, defaults)`, in llama-server's order (b11434):
-1. the JSON itself (nlohmann's parse error, 400);
+1. the JSON itself (nlohmann's parse error, 400; a lone surrogate is one there too);
 2. the OpenAI layer (tools/server/server-common.cpp, `oaicompat_chat_params_parse`): `stop` as a
    string or an array, json_schema against grammar, `response_format`, the messages and their content
    parts, `logprobs`/`top_logprobs` (default 20, `top_logprobs` alone refused), then every other key

@@ -14,7 +14,9 @@ is the one llama-server names:
 Everything is 400 `invalid_request_error`. Only after llama-server's own checks come ours
 (`refuse_unsupported`): a value that would make llama-server answer differently from what this
 engine can do is a 400 naming the field ("refuse, never approximate"); `IGNORED` lists the fields
-read and dropped, each with why it cannot change the answer.
+read and dropped, each with why it cannot change the answer. A few bounds llama-server does not have
+are ours too, where a small body would cost the engine much: the number of DRY breakers and of stop
+strings, a stop's length, a grammar's length and nesting (each a 400 naming the field).
 """
 
 from __future__ import annotations

@@ -255,9 +255,10 @@ class Tokenizer:
         add_bos_token / add_eos_token say; `parse_special` lets control tokens written in the text count.
 
         With `limit`, a text that makes more than `limit` tokens raises TokenLimitExceeded with the count
-        known when it stopped: at once, when its bytes alone need more tokens than that (no token covers
-        more than `max_cover` bytes), else as soon as the tokens made pass the limit. The work is then
-        bounded by the limit, not by the text. Without it, a text of any size is tokenized whole."""
+        known when it stopped: at once, when its bytes alone need more tokens than that (`min_tokens`),
+        else as soon as the tokens made pass the limit. The work is then bounded by the limit, not by
+        the text. Without it, a text of any size is tokenized whole (in linear time: model/tokenizer_bpe.py
+        merges a very long word in exact pieces, or refuses it)."""
         if not text.isascii():
             try:
                 text.encode("utf-8")
