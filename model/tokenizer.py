@@ -302,8 +302,10 @@ class Tokenizer:
         bytes that may make no token at all (a byte with no token of its own is dropped; whitespace
         next to an LSTRIP/RSTRIP special is stripped)."""
         if self._cover is None:
+            special, strip = int(_SPECIAL_ATTRS), int(TokenAttr.LSTRIP | TokenAttr.RSTRIP)  # int ops: fast
+
             def cover(t: str, attr: int) -> int:  # the most text bytes one token can stand for
-                if attr & _SPECIAL_ATTRS:
+                if attr & special:
                     return len(t.encode("utf-8", "surrogateescape"))
                 if self._bpe is not None:
                     return len(t)  # one byte per byte-level character
@@ -313,7 +315,7 @@ class Tokenizer:
             silent = set()
             if self._bpe is not None:
                 silent = {b for b in range(256) if BYTE_TO_CHAR[b] not in self.token_to_id}
-            if any(a & (TokenAttr.LSTRIP | TokenAttr.RSTRIP) for a in self.attrs):
+            if any(a & strip for a in self.attrs):
                 silent |= set(_ASCII_SPACE.encode())
             self._sounding = bytes(b for b in range(256) if b not in silent)
         data = text.encode("utf-8", "surrogatepass")
