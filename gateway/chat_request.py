@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: the body read once, as llama-server reads it, before any model work.
 
 `parse_chat(body, defaults)`, in llama-server's order (b11434):
-1. the JSON itself (nlohmann's parse error, 400);
+1. the JSON itself (nlohmann's parse error, 400; a lone surrogate is one there too);
 2. the OpenAI layer (tools/server/server-common.cpp, `oaicompat_chat_params_parse`): `stop` as a
    string or an array, json_schema against grammar, `response_format`, the messages and their content
    parts, `logprobs`/`top_logprobs` (default 20, `top_logprobs` alone refused), then every other key
@@ -18,6 +18,7 @@ before a bad field there; here the template renders after the model is acquired 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -52,14 +53,53 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_body(body: bytes) -> Any:
-    """The body as nlohmann parses it: NaN and Infinity are not JSON."""
+    """The body as nlohmann parses it: NaN and Infinity are not JSON, nor is a lone surrogate."""
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        raise bad(f"[json.exception.parse_error.101] parse error at line {e.lineno}, column {e.colno}: "
-                  f"syntax error while parsing value - {e.msg}") from None
+        raise _parse_error(e.lineno, e.colno, e.msg) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise bad(f"[json.exception.parse_error.101] parse error: {e}") from None
+    _refuse_lone_surrogates(body)
+    return value
+
+
+def _parse_error(line: int, column: int, why: str) -> ApiError:
+    return bad(f"[json.exception.parse_error.101] parse error at line {line}, column {column}: "
+               f"syntax error while parsing value - {why}")
+
+
+# Python's json accepts what nlohmann's lexer refuses: a `\uD800`-style escape that is not half of a
+# pair, and (reading bytes with "surrogatepass") a surrogate written as UTF-8. Such a string would
+# fail later, when it is encoded for the tokenizer or a stop string. Every backslash of a valid JSON
+# text is inside a string, so an escape is one that follows an even run of backslashes.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_ESCAPED_SURROGATE = re.compile(
+    rb"(?<!\\)(?:\\\\)*\\u(?:[dD][89abAB][0-9a-fA-F]{2}(?P<low>\\u[dD][c-fC-F][0-9a-fA-F]{2})?"
+    rb"|(?P<lone_low>[dD][c-fC-F][0-9a-fA-F]{2}))")
+_UTF8_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+def _refuse_lone_surrogates(body: bytes) -> None:
+    """nlohmann's lexer errors (scan_string) for a string that is not valid Unicode: 400."""
+    if not _MAYBE_SURROGATE.search(body):
+        return  # the common case: one scan at C speed
+    for m in _ESCAPED_SURROGATE.finditer(body):
+        if m["lone_low"] is not None:
+            why = "invalid string: surrogate U+DC00..U+DFFF must follow U+D800..U+DBFF"
+        elif m["low"] is None:
+            why = "invalid string: surrogate U+D800..U+DBFF must be followed by U+DC00..U+DFFF"
+        else:
+            continue  # a pair: one code point
+        raise _parse_error(*_line_column(body, m.end()), why)
+    m = _UTF8_SURROGATE.search(body)
+    if m is not None:
+        raise _parse_error(*_line_column(body, m.end()), "invalid string: ill-formed UTF-8 byte")
+
+
+def _line_column(body: bytes, end: int) -> tuple[int, int]:
+    line_start = body.rfind(b"\n", 0, end) + 1
+    return body.count(b"\n", 0, end) + 1, end - line_start + 1
 
 
 # --- 2. the OpenAI layer -------------------------------------------------------------------------
@@ -135,8 +175,6 @@ def openai_layer(body: Any) -> tuple[dict, list[dict]]:
         kind = json_value(rf, "type", "", get_string)
         if kind and kind not in ("text", "json_object", "json_schema"):
             raise bad(f'response_format type must be one of "text" or "json_object", but got: {kind}')
-        if kind in ("json_object", "json_schema"):
-            params["response_format"] = rf
     if not isinstance(body, dict) or "messages" not in body:
         raise bad("'messages' is required")
     messages = check_messages(body["messages"])
@@ -204,7 +242,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("ignore_eos", p.get("ignore_eos") is True, None),
         ("grammar", "grammar" in p, None),
         ("json_schema", "json_schema" in p, None),
-        ("response_format", "response_format" in p, None),
         ("tools", isinstance(request.get("tools"), list) and bool(request["tools"]), None),
         ("verbose", p.get("verbose") is True, None),
         ("timings_per_token", p.get("timings_per_token") is True, None),
@@ -229,6 +266,11 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
             if why:
                 raise bad(f"'{name}' is not supported by bankml serve --native: {why}")
             raise _not_supported(name)
+    # The OpenAI layer turns json_object / json_schema into a schema; llama-server's field table never
+    # sees the key, so it is looked for in the request itself.
+    kind = json_value(json_value(request, "response_format", {}), "type", "", get_string)
+    if kind in ("json_object", "json_schema"):
+        raise bad(f"'response_format' {kind} is not supported by bankml serve --native yet")
     if any("tool_calls" in m for m in messages):
         raise bad("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message

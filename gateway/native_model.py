@@ -16,6 +16,7 @@ from gateway.errors import ApiError
 from gateway.request_fields import gguf_defaults
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
+from model.tokenizer_bpe import InvalidText, TokenLimitExceeded
 from model.tokenizer_gguf import gguf_fields
 
 
@@ -43,9 +44,30 @@ class NativeModel:
         except TemplateError as e:
             raise ApiError(400, str(e)) from None
 
-    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text, add_special, parse_special)]
+    def tokenize(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
+        """The text's tokens (llama-server's /tokenize: the whole text). A text the tokenizer cannot take
+        is a 400 with its reason."""
+        try:
+            ids = self.tokenizer.encode(text, add_special, parse_special, limit=limit)
+        except InvalidText as e:
+            raise ApiError(400, str(e)) from None
+        return [int(t) for t in ids]
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added)."""
-        return self.tokenize(self.render(messages, add_generation_prompt), add_special=True, parse_special=True)
+        """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added).
+
+        The tokenizer stops once a prompt is sure not to fit: up to `count_limit` tokens the count in
+        llama-server's exceed_context_size_error is exact, beyond it the count made so far ("at least").
+        """
+        text = self.render(messages, add_generation_prompt)
+        try:
+            return self.tokenize(text, add_special=True, parse_special=True, limit=self.count_limit)
+        except TokenLimitExceeded as e:
+            raise ApiError(400, f"request (at least {e.at_least} tokens) exceeds the available context size "
+                                f"({self.n_ctx} tokens), try increasing it", "exceed_context_size_error",
+                           n_prompt_tokens=e.at_least, n_ctx=self.n_ctx) from None
+
+    @property
+    def count_limit(self) -> int:
+        # twice the context (and a little): a prompt a bit too long still gets its exact count
+        return 2 * self.n_ctx + 1024

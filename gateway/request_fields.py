@@ -14,7 +14,9 @@ is the one llama-server names:
 Everything is 400 `invalid_request_error`. Only after llama-server's own checks come ours
 (`refuse_unsupported`): a value that would make llama-server answer differently from what this
 engine can do is a 400 naming the field ("refuse, never approximate"); `IGNORED` lists the fields
-read and dropped, each with why it cannot change the answer.
+read and dropped, each with why it cannot change the answer. A few bounds llama-server does not have
+are ours too, where a small body would cost the engine much: the number of DRY breakers and of stop
+strings, a stop's length, a grammar's length and nesting (each a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ from gateway.json_values import (
     json_value,
     to_string,
 )
+from model.dry import dry_enabled
 from model.messages import SamplingParams
 
 I32_MAX = INT32[1]
 N_PROBS_MAX = 20  # the most top logprobs the engine reports per token (model/sampling.py)
+MAX_GRAMMAR_CHARS = 1 << 16  # a GBNF grammar longer than this is refused before it is parsed
+MAX_DRY_BREAKERS = 32  # dry_sequence_breakers per request (llama.cpp's defaults are 4)
+MAX_STOPS = 32  # stop strings per request (OpenAI takes 4)
+MAX_STOP_BYTES = 512  # the UTF-8 length of one stop string
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,18 @@ def _dry_base(p: dict, v: Any) -> None:
     p["dry_base"] = x if x >= 1.0 else SamplingParams.dry_base
 
 
+def _over_limit(name: str, why: str) -> ApiError:
+    return ApiError(400, f"'{name}' is not supported by bankml serve --native: {why}")
+
+
 def _breakers(p: dict, v: Any) -> None:
     value = v if isinstance(v, list) and all(isinstance(s, str) for s in v) else []
     if not value:
         raise JsonTypeError("Error: dry_sequence_breakers must be a non-empty array of strings")
+    # llama.cpp cuts each breaker to 40 bytes (model/dry.py does too) but takes any number of them;
+    # each costs the engine a search of the vocabulary, so the number is ours to bound
+    if len(value) > MAX_DRY_BREAKERS and dry_enabled(p["dry_multiplier"], p["dry_base"], p["dry_penalty_last_n"]):
+        raise _over_limit("dry_sequence_breakers", f"more than {MAX_DRY_BREAKERS} breakers (got {len(value)})")
     p["dry_sequence_breakers"] = tuple(value)
 
 
@@ -75,6 +90,12 @@ def _stop(p: dict, v: Any) -> None:
                 words.append(get_string(word))
     elif isinstance(v, str):
         words.append(v)
+    # llama-server bounds neither; every stop is searched after every token (model/stops.py)
+    if len(words) > MAX_STOPS:
+        raise _over_limit("stop", f"more than {MAX_STOPS} stop strings (got {len(words)})")
+    for word in words:
+        if len(word) > MAX_STOP_BYTES or len(word.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            raise _over_limit("stop", f"a stop string of more than {MAX_STOP_BYTES} bytes")
     p["stop"] = tuple(words)
 
 
@@ -287,10 +308,15 @@ def _sampler_init(p: dict) -> None:
     if not math.isfinite(p["presence_penalty"]):
         raise ApiError(400, "Failed to initialize samplers: penalty_present must be finite")
     if "grammar" in p:
-        from model.gbnf import GrammarError, parse_gbnf
+        from model.gbnf import GrammarError, GrammarTooDeep, parse_gbnf
 
+        if len(p["grammar"]) > MAX_GRAMMAR_CHARS:  # the parse runs on the event loop, ~3 s per MB
+            raise ApiError(400, f"'grammar' is not supported by bankml serve --native: more than "
+                                f"{MAX_GRAMMAR_CHARS} characters")
         try:
             parse_gbnf(p["grammar"])
+        except GrammarTooDeep as e:  # llama-server would parse it: ours is a refusal, by name
+            raise ApiError(400, f"'grammar' is not supported by bankml serve --native: {e}") from None
         except GrammarError:
             raise ApiError(400, "Failed to initialize samplers: failed to parse grammar") from None
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from model.completion import Completion
 from model.config import Config
-from model.dry import RestartSequences, dry_bias, dry_enabled, restart_sequences
+from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
 from model.forward import forward
 from model.kvcache import KVCache, init_cache
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
@@ -110,8 +110,8 @@ class Engine:
         self._history = jnp.zeros((n_slots, n_ctx), jnp.int32)  # each slot's tokens, for the penalties
         self._held: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose KV each slot holds
         self._compiled: dict[tuple, object] = {}
-        self._pieces: list[bytes] | None = None  # each token's text, for DRY's breakers
-        self._dry_restarts: dict[tuple[str, ...], RestartSequences] = {}
+        self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
+        self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
         self.compile_s = 0.0
 
     # --- construction -------------------------------------------------------------------------
@@ -360,13 +360,12 @@ class Engine:
         return bias
 
     def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
-        """The breakers' restart sequences, built once per breaker list (a pass over the vocabulary)."""
-        if breakers not in self._dry_restarts:
-            if self._pieces is None:
-                self._pieces = [self.tokenizer.token_to_piece(t, True) for t in range(self.tokenizer.n_vocab)]
-            self._dry_restarts[breakers] = restart_sequences(
-                breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False))
-        return self._dry_restarts[breakers]
+        """The breakers' restart sequences, built once per breaker list (searches of the vocabulary's
+        text) and kept while that list is among the recently used."""
+        if self._pieces is None:
+            self._pieces = PieceIndex([self.tokenizer.token_to_piece(t, True) for t in range(self.tokenizer.n_vocab)])
+        return self._dry_restarts.get(breakers, lambda: restart_sequences(
+            breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False)))
 
     def _emit(self, slot: int, out: Sampled, row: int) -> StepOutput:
         """Turn row `row` of a step's result into the slot's StepOutput; free the slot when it finishes."""

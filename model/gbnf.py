@@ -17,8 +17,17 @@ MAX_REPETITION_THRESHOLD = 2000
 UINT64_MAX = (1 << 64) - 1
 
 
+# llama.cpp's parser recurses once per nested group on the C stack; ours would reach Python's recursion
+# limit near 450 levels and fail with a RecursionError, so it stops well before, with a reason.
+MAX_NESTING = 256
+
+
 class GrammarError(ValueError):
     pass
+
+
+class GrammarTooDeep(GrammarError):
+    """Parentheses nested deeper than MAX_NESTING: llama.cpp would parse it; we refuse it by name."""
 
 
 def _is_digit(c: int) -> bool:
@@ -35,6 +44,7 @@ class _Parser:
         self.tokenize = tokenize
         self.symbol_ids: dict[str, int] = {}
         self.rules: list[list[tuple[int, int]]] = []
+        self.depth = 0  # groups open at this point of the parse
 
     def at(self, i: int) -> int:
         return self.s[i] if i < len(self.s) else 0
@@ -227,10 +237,14 @@ class _Parser:
                 last, n_prev = len(rule), 1
                 rule.append((RULE_REF, ref))
             elif c == 0x28:  # (group)
+                if self.depth >= MAX_NESTING:
+                    raise GrammarTooDeep(f"groups nested deeper than {MAX_NESTING} levels")
                 i = self.space(i + 1, True)
                 before = len(self.symbol_ids)
                 sub = self.generate(rule_name)
+                self.depth += 1
                 i = self.alternates(i, rule_name, sub, True)
+                self.depth -= 1
                 n_prev = max(1, len(self.symbol_ids) - before)
                 last = len(rule)
                 rule.append((RULE_REF, sub))
@@ -299,8 +313,11 @@ def parse_gbnf(text: str, root: str = "root",
     """
     p = _Parser(text.encode("utf-8", "surrogatepass"), tokenize)
     i = p.space(0, True)
-    while p.at(i):
-        i = p.rule(i)
+    try:
+        while p.at(i):
+            i = p.rule(i)
+    except RecursionError:  # MAX_NESTING fits Python's default limit; a caller deep in its stack may not
+        raise GrammarTooDeep("groups nested too deeply for this server's stack") from None
     for rule in p.rules:
         if not rule:
             raise GrammarError("Undefined rule")
@@ -317,16 +334,16 @@ def parse_gbnf(text: str, root: str = "root",
 
 
 def _check_left_recursion(rules: list[list[tuple[int, int]]]) -> None:
+    """llama_grammar_detect_left_recursion, walked with an explicit stack: a chain of thousands of rules
+    must not exhaust Python's. A rule whose walk finished without finding a cycle is not walked again
+    (llama.cpp walks it again, which changes nothing but the time: exponential on a diamond of rules)."""
     n = len(rules)
     visited, in_progress, may_be_empty = [False] * n, [False] * n, [False] * n
 
-    def detect(k: int) -> bool:
-        if in_progress[k]:
-            return True
+    def enter(k: int) -> None:
         in_progress[k] = True
-        rule = rules[k]
         at_start = True
-        for kind, _ in rule:
+        for kind, _ in rules[k]:
             if kind in (END, ALT):
                 if at_start:
                     may_be_empty[k] = True
@@ -334,19 +351,36 @@ def _check_left_recursion(rules: list[list[tuple[int, int]]]) -> None:
                 at_start = True
             else:
                 at_start = False
-        recurse = True
-        for kind, value in rule:
+
+    def detect(root: int) -> bool:
+        enter(root)
+        stack = [[root, 0, True]]  # rule, next element, whether a reference there is at its start
+        while stack:
+            frame = stack[-1]
+            k, pos, recurse = frame
+            rule = rules[k]
+            if pos == len(rule):
+                in_progress[k] = False
+                visited[k] = True
+                stack.pop()
+                if stack:  # the caller goes on past its reference to k
+                    parent = stack[-1]
+                    parent[2] = parent[2] and may_be_empty[k]
+                continue
+            kind, value = rule[pos]
+            frame[1] = pos + 1
             if kind == RULE_REF and recurse:
-                if detect(value):
+                if in_progress[value]:
                     return True
-                if not may_be_empty[value]:
-                    recurse = False
+                if visited[value]:
+                    frame[2] = may_be_empty[value]
+                else:
+                    enter(value)
+                    stack.append([value, 0, True])
             elif kind in (END, ALT):
-                recurse = True
+                frame[2] = True
             else:
-                recurse = False
-        in_progress[k] = False
-        visited[k] = True
+                frame[2] = False
         return False
 
     for k in range(n):

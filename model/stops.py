@@ -37,10 +37,15 @@ def find_partial_stop(text: bytes, stops: Sequence[bytes]) -> int | None:
 
 
 def _partial(text: bytes, stop: bytes) -> int | None:
-    # the longest prefix of `stop` that `text` ends with (string_find_partial_stop)
+    # common/common.cpp string_find_partial_stop: only a prefix of `stop` that ends with the text's last
+    # byte can match, so the candidates are that byte's places in the stop, longest first; the work per
+    # token is their number, not the square of the stop's length
     if not text or not stop:
         return None
-    for n in range(min(len(text), len(stop)), 0, -1):
-        if text.endswith(stop[:n]):
-            return len(text) - n
+    last = text[-1]
+    j = stop.rfind(last, 0, min(len(stop), len(text)))
+    while j != -1:
+        if text.endswith(stop[:j + 1]):
+            return len(text) - j - 1
+        j = stop.rfind(last, 0, j)
     return None

@@ -21,11 +21,21 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from model.tokenizer_bpe import CHAR_TO_BYTE, PRE_TOKENIZERS, BpeModel, parse_merges
+from model.tokenizer_bpe import (
+    BYTE_TO_CHAR,
+    CHAR_TO_BYTE,
+    PRE_TOKENIZERS,
+    BpeModel,
+    InvalidText,
+    TokenLimitExceeded,
+    WordTooLong,
+    parse_merges,
+)
 from model.tokenizer_gguf import gguf_fields
 from model.tokenizer_spm import SpmModel
 
-__all__ = ["TokenAttr", "Tokenizer", "UnsupportedTokenizer", "gguf_fields"]
+__all__ = ["InvalidText", "TokenAttr", "TokenLimitExceeded", "Tokenizer", "UnsupportedTokenizer", "WordTooLong",
+           "gguf_fields"]
 
 
 class UnsupportedTokenizer(ValueError):
@@ -119,6 +129,8 @@ class Tokenizer:
             self._bpe = None
             self._spm = SpmModel(self.token_to_id, list(scores) if len(scores) else [0.0] * len(self.tokens))
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._cover: int | None = None  # min_tokens' figures, computed at its first use
+        self._sounding = b""
         self._build_special_index()
 
     # --- construction ----------------------------------------------------------------------------
@@ -238,14 +250,24 @@ class Tokenizer:
 
     # --- text -> tokens ----------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
         """`llama_tokenize(text, add_special, parse_special)`. `add_special` adds BOS (and EOS) as the GGUF's
-        add_bos_token / add_eos_token say; `parse_special` lets control tokens written in the text count."""
+        add_bos_token / add_eos_token say; `parse_special` lets control tokens written in the text count.
+
+        With `limit`, a text that makes more than `limit` tokens raises TokenLimitExceeded with the count
+        known when it stopped: at once, when its bytes alone need more tokens than that (`min_tokens`),
+        else as soon as the tokens made pass the limit. The work is then bounded by the limit, not by
+        the text. Without it, a text of any size is tokenized whole (in linear time: model/tokenizer_bpe.py
+        merges a very long word in exact pieces, or refuses it)."""
         if not text.isascii():
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
+                raise InvalidText("the text is not valid Unicode (it holds a lone surrogate)") from None
+        if limit is not None and text:
+            at_least = self.min_tokens(text)
+            if at_least > limit:
+                raise TokenLimitExceeded(at_least)
         out: list[int] = []
         fragments = self._partition(text, parse_special) if text else []
         if add_special and self.add_bos:
@@ -256,20 +278,49 @@ class Tokenizer:
                 if isinstance(frag, int):
                     out.append(frag)
                     prev_special = True
-                    continue
-                if self.add_space_prefix and prev_special:
-                    frag = " " + frag
-                out.extend(self._spm.tokenize(frag.replace(" ", "\u2581")))
-                prev_special = False
+                else:
+                    if self.add_space_prefix and prev_special:
+                        frag = " " + frag
+                    out.extend(self._spm.tokenize(frag.replace(" ", "\u2581")))
+                    prev_special = False
+                if limit is not None and len(out) > limit:
+                    raise TokenLimitExceeded(len(out))
         else:
             for frag in fragments:
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    out.extend(self._bpe.tokenize(frag))
+                    self._bpe.tokenize(frag, out, limit, self.min_tokens)
+                if limit is not None and len(out) > limit:
+                    raise TokenLimitExceeded(len(out))
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` makes: its bytes over the most any token covers, less the
+        bytes that may make no token at all (a byte with no token of its own is dropped; whitespace
+        next to an LSTRIP/RSTRIP special is stripped)."""
+        if self._cover is None:
+            special, strip = int(_SPECIAL_ATTRS), int(TokenAttr.LSTRIP | TokenAttr.RSTRIP)  # int ops: fast
+
+            def cover(t: str, attr: int) -> int:  # the most text bytes one token can stand for
+                if attr & special:
+                    return len(t.encode("utf-8", "surrogateescape"))
+                if self._bpe is not None:
+                    return len(t)  # one byte per byte-level character
+                return len(t.encode("utf-8", "surrogateescape")) - 2 * t.count("\u2581")  # U+2581 is a space
+
+            self._cover = max(1, max(cover(t, a) for t, a in zip(self.tokens, self.attrs, strict=True)))
+            silent = set()
+            if self._bpe is not None:
+                silent = {b for b in range(256) if BYTE_TO_CHAR[b] not in self.token_to_id}
+            if any(a & strip for a in self.attrs):
+                silent |= set(_ASCII_SPACE.encode())
+            self._sounding = bytes(b for b in range(256) if b not in silent)
+        data = text.encode("utf-8", "surrogatepass")
+        n_silent = len(data.translate(None, self._sounding)) if len(self._sounding) < 256 else 0
+        return -(-(len(data) - n_silent) // self._cover)
 
     def _specials_in(self, text: str) -> list[int]:
         """The special tokens whose text occurs in `text`, in llama.cpp's partition order."""

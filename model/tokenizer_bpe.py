@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -204,10 +204,57 @@ def parse_merges(merges: Iterable[str]) -> dict[tuple[str, str], int]:
     return ranks
 
 
+# --- bounds -------------------------------------------------------------------------------------
+
+# The merge loop holds a few hundred bytes per character of the word it merges, so a word is merged
+# at most this many characters at a time. llama.cpp merges any word whole (and in C++); we cut a
+# longer one only where no merge can join the two sides, which leaves the tokens unchanged.
+MAX_MERGE_CHARS = 1 << 16
+CUT_SEARCH = 1 << 12  # how far back from a chunk's end such a place is looked for
+
+
+class TokenLimitExceeded(ValueError):
+    """The text makes more tokens than the caller's limit; `at_least` of them are counted."""
+
+    def __init__(self, at_least: int):
+        super().__init__(f"the text makes at least {at_least} tokens")
+        self.at_least = at_least
+
+
+class InvalidText(ValueError):
+    """The text cannot be tokenized as it is (a lone surrogate, or a run the merge loop does not take).
+    The message is the reason; a request that sent it gets a 400."""
+
+
+class WordTooLong(InvalidText):
+    """A run of text that cannot be cut without changing its tokens is longer than the merge loop takes."""
+
+
+def exact_chunks(word: str, unsafe: Container[str], max_chars: int) -> list[str]:
+    """`word` in pieces of at most `max_chars`, cut only between two characters whose pair is not in
+    `unsafe` (the pairs some merge would join), so that merging the pieces one by one gives the
+    tokens the whole word gives."""
+    out: list[str] = []
+    start, n = 0, len(word)
+    while n - start > max_chars:
+        end = start + max_chars
+        cut = next((p for p in range(end, max(start, end - CUT_SEARCH), -1) if word[p - 1:p + 1] not in unsafe),
+                   None)
+        if cut is None:
+            raise WordTooLong(f"the text holds a run of more than {max_chars} characters that the tokenizer "
+                              "cannot cut without changing its tokens")
+        out.append(word[start:cut])
+        start = cut
+    out.append(word[start:])
+    return out
+
+
 class BpeModel:
     """The merge loop and the word cache for one vocabulary."""
 
-    _CACHE_MAX = 1 << 17
+    _CACHE_MAX = 1 << 17  # words
+    _CACHE_MAX_BYTES = 64 << 20  # about: the words, their ids and the dict's own slots
+    _CACHE_WORD_MAX = 256  # characters: a longer word is not cached (it is rarely seen twice)
 
     def __init__(self, token_to_id: Mapping[str, int], ranks: Mapping[tuple[str, str], int],
                  pre: PreTokenizer):
@@ -215,23 +262,59 @@ class BpeModel:
         self.ranks = ranks
         self.pre = pre
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache_bytes = 0
+        self._junctions: frozenset[str] | None = None
 
-    def tokenize(self, text: str) -> list[int]:
-        out: list[int] = []
-        cache_get = self._cache.get
+    @property
+    def junctions(self) -> frozenset[str]:
+        """Every pair of byte-level characters a merge joins: a word may be cut anywhere else."""
+        if self._junctions is None:
+            self._junctions = frozenset(left[-1] + right[0] for left, right in self.ranks if left and right)
+        return self._junctions
+
+    def tokenize(self, text: str, out: list[int] | None = None, limit: int | None = None,
+                 min_tokens: Callable[[str], int] | None = None) -> list[int]:
+        """Append the text's tokens to `out`. With `limit`, stop with TokenLimitExceeded once `out` holds
+        more than `limit` ids, or before merging a long word that would pass it by itself, by
+        `min_tokens(word)` (a lower bound on its tokens)."""
+        out = [] if out is None else out
+        cache = self._cache
         for word in regex_split(text, self.pre.regexes):
-            ids = cache_get(word)
+            ids = cache.get(word)
             if ids is None:
-                ids = self._word(byte_encode(word))
-                if len(self._cache) >= self._CACHE_MAX:
-                    self._cache.clear()
-                self._cache[word] = ids
+                if limit is not None and min_tokens is not None and len(word) > self._CACHE_WORD_MAX:
+                    at_least = len(out) + min_tokens(word)
+                    if at_least > limit:
+                        raise TokenLimitExceeded(at_least)
+                ids = self._encode_word(word)
+                self._remember(word, ids)
             out.extend(ids)
+            if limit is not None and len(out) > limit:
+                raise TokenLimitExceeded(len(out))
         return out
 
-    def _word(self, word: str) -> tuple[int, ...]:
+    def _encode_word(self, word: str) -> tuple[int, ...]:
+        encoded = byte_encode(word)
+        if len(encoded) <= MAX_MERGE_CHARS:
+            return self._word(encoded)
+        if self.pre.ignore_merges and encoded in self.token_to_id:
+            return (self.token_to_id[encoded],)
+        chunks = exact_chunks(encoded, self.junctions, MAX_MERGE_CHARS)
+        return tuple(t for chunk in chunks for t in self._word(chunk, merges_only=True))
+
+    def _remember(self, word: str, ids: tuple[int, ...]) -> None:
+        if len(word) > self._CACHE_WORD_MAX:
+            return
+        size = 100 + 2 * len(word) + 8 * len(ids)
+        if len(self._cache) >= self._CACHE_MAX or self._cache_bytes + size > self._CACHE_MAX_BYTES:
+            self._cache.clear()
+            self._cache_bytes = 0
+        self._cache[word] = ids
+        self._cache_bytes += size
+
+    def _word(self, word: str, merges_only: bool = False) -> tuple[int, ...]:
         token_to_id = self.token_to_id
-        if self.pre.ignore_merges and word in token_to_id:
+        if self.pre.ignore_merges and not merges_only and word in token_to_id:
             return (token_to_id[word],)
         texts: list[str] = list(word)
         n = len(texts)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
+from model import tokenizer_bpe
+from model.tokenizer_bpe import exact_chunks
+
 
 class SpmError(ValueError):
     """A byte has no `<0xXX>` token and no single-byte token: llama.cpp throws here too."""
@@ -19,12 +22,23 @@ class SpmError(ValueError):
 
 class SpmModel:
     _CACHE_MAX = 1 << 14  # fragments (mostly lines: a chat prompt repeats its earlier turns)
+    _CACHE_MAX_BYTES = 64 << 20  # about: the fragments, their ids and the dict's own slots
+    _CACHE_TEXT_MAX = 1 << 12  # characters: a longer fragment is not cached
 
     def __init__(self, token_to_id: Mapping[str, int], scores: Sequence[float]):
         self.token_to_id = token_to_id
         self.scores = scores
         self._byte_ids: dict[int, int] = {}
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache_bytes = 0
+        self._junctions: frozenset[str] | None = None
+
+    @property
+    def junctions(self) -> frozenset[str]:
+        """Every pair of adjacent characters inside a token: only there can two symbols merge."""
+        if self._junctions is None:
+            self._junctions = frozenset(t[i:i + 2] for t in self.token_to_id for i in range(len(t) - 1))
+        return self._junctions
 
     def byte_to_token(self, byte: int) -> int:
         """llama_vocab::byte_to_token for SPM: `<0xXX>`, else the byte itself as a one-byte token."""
@@ -41,10 +55,18 @@ class SpmModel:
     def tokenize(self, text: str) -> list[int]:
         ids = self._cache.get(text)
         if ids is None:
-            ids = tuple(self._merge(text)) if text else ()
-            if len(self._cache) >= self._CACHE_MAX:
-                self._cache.clear()
-            self._cache[text] = ids
+            # merges run over the whole fragment; a long one is merged in pieces cut where no token
+            # spans the cut, which gives the same tokens (model/tokenizer_bpe.py, exact_chunks)
+            limit = tokenizer_bpe.MAX_MERGE_CHARS
+            chunks = exact_chunks(text, self.junctions, limit) if len(text) > limit else [text]
+            ids = tuple(t for chunk in chunks if chunk for t in self._merge(chunk))
+            if len(text) <= self._CACHE_TEXT_MAX:
+                size = 100 + 2 * len(text) + 8 * len(ids)
+                if len(self._cache) >= self._CACHE_MAX or self._cache_bytes + size > self._CACHE_MAX_BYTES:
+                    self._cache.clear()
+                    self._cache_bytes = 0
+                self._cache[text] = ids
+                self._cache_bytes += size
         return list(ids)
 
     def _merge(self, text: str) -> list[int]:

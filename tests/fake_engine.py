@@ -32,8 +32,8 @@ class FakeTokenizer:
     add_bos = False
     add_eos = False
 
-    def encode(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
+        return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
 
 
 class FakeEngine:
