@@ -16,13 +16,10 @@ import re
 from pathlib import Path
 
 from bankml import __version__
+from bankml.errors import NotPinned, Refused, Unreadable
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _BLOCK_BYTES = 1 << 20  # fits in L2: larger reads evict the data before it is hashed
-
-
-class PinError(Exception):
-    """The file is not the pinned one, or cannot be hashed. The message is the refusal reason."""
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -59,17 +56,18 @@ def pinned_sha256(fork_text: str, name: str) -> str | None:
 
 
 def pin(path: str | os.PathLike, fork_text: str) -> str:
-    """Hash `path` and compare with its pin; return the sha256, or raise PinError with the reason."""
+    """Hash `path` and compare with its pin; return the sha256. Raises NotPinned, Unreadable (cannot
+    hash) or Refused (another sha256), each with the original's message."""
     name = os.path.basename(os.fspath(path))
     want = pinned_sha256(fork_text, name)
     if want is None:
-        raise PinError(f"{name} has no sha256 record in FORK.json: unpinned, refused")
+        raise NotPinned(f"{name} has no sha256 record in FORK.json: unpinned, refused")
     try:
         got = sha256_file(path)
     except OSError as e:
-        raise PinError(f"cannot hash {name}: {_os_error(e)}") from e
+        raise Unreadable(f"cannot hash {name}: {_os_error(e)}") from e
     if got != want:
-        raise PinError(f"{name} sha256 {got} != pinned {want}: refused")
+        raise Refused(f"{name} sha256 {got} != pinned {want}: refused")
     return got
 
 

@@ -91,7 +91,7 @@ async def _whole(state, loaded, job: GenerateRequest, tally: Tally, created: int
     if entries:
         tally.logprobs(entries)
     tally.prompt_tokens, tally.completion_tokens = last.prompt_tokens, last.completion_tokens
-    receipt = tally.receipt(loaded.engine, loaded.verified)
+    receipt = tally.receipt(loaded.backend, loaded.verified)
     return json_response(completion_body(text, last, created, loaded.file_name, receipt, entries))
 
 
@@ -127,7 +127,7 @@ async def _streamed(request, state, loaded, job: GenerateRequest, tally: Tally, 
                     tally.logprobs(sent_entries)
                 await answer.record(_stem(loaded), out)
                 await response.send(final_event(out, created, loaded.file_name))
-                await response.send(receipt_event(tally.receipt(loaded.engine, loaded.verified)))
+                await response.send(receipt_event(tally.receipt(loaded.backend, loaded.verified)))
                 await response.send(DONE_EVENT)
                 await response.eof()
     return None  # the answer went out through `response`

@@ -12,10 +12,19 @@ from typing import Any
 from sanic import Sanic
 from sanic.exceptions import NotFound
 
+from bankml.config import LimitsConfig
 from gateway.errors import GatewayErrorHandler
 from gateway.loopback import Limits
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+def loopback_limits(config: LimitsConfig) -> Limits:
+    """The loopback rules of the `[limits]` table."""
+    return Limits(max_connections=config.max_connections, max_body_bytes=config.max_body_bytes,
+                  max_line_bytes=config.max_line_bytes, max_header_lines=config.max_header_lines,
+                  read_timeout_s=config.read_timeout_s, write_timeout_s=config.write_timeout_s,
+                  drain_ms=config.drain_ms)
 
 
 def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler], routes_text: str,
