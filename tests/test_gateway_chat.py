@@ -161,6 +161,14 @@ def test_bad_requests_are_refused_in_llama_servers_error_shape(server, body, sta
                                   "type": "invalid_request_error" if status == 400 else "not_found_error"}}
 
 
+def test_any_model_name_is_answered_by_the_one_model_served(server):
+    # as llama-server does with one model: clients hard-code names; the answer says what answered
+    for name in ("gpt-4", "tiny-model.q8_0", ""):
+        r = post(server, "/v1/chat/completions", {"messages": HI, "model": name})
+        assert r.status_code == 200 and r.json()["model"] == "Tiny-Model.Q8_0.gguf"
+        assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
 def test_a_body_that_is_not_json_gets_the_json_librarys_parse_error(server):
     r = post(server, "/v1/chat/completions", b"{not json")
     assert r.status_code == 400
