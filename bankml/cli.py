@@ -60,6 +60,8 @@ EXIT_CODES = "exit codes: 0 ok, 1 unreadable or bad usage, 2 refused, 3 truncate
 class _Parser(argparse.ArgumentParser):
     """argparse, with bad usage exiting 1 (argparse's own is 2, which here means "refused")."""
 
+    commands: dict[str, argparse.ArgumentParser]  # the top parser's subcommands, by name
+
     def error(self, message: str):
         self.print_usage(sys.stderr)
         self.exit(exit_code(UsageError), f"{self.prog}: error: {message}\n")
@@ -101,13 +103,13 @@ def _add_rule_set(p: argparse.ArgumentParser, default: str | None = "mainline") 
                    metavar="mainline", help="the guard's rule set (--engine is the old spelling); only mainline")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(prog="bankml", description=DESCRIPTION, epilog=EXIT_CODES, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-V", "--version", action="version", version=f"bankml {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    parser.commands = {}  # name -> its parser, so an unknown flag is told with that command's usage
+    parser.commands = {}  # so an unknown flag is told with its command's usage, not the top one
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=summary, epilog=EXIT_CODES, allow_abbrev=False)
