@@ -1,6 +1,6 @@
 """ggml tensor type ids: the names the guard prints and the block layouts it sizes tensors with.
 
-Ids follow ggml.h at llama.cpp b11192, as the original's `gguf.rs` does (gate.md §2, "Type names"); the
+Ids follow ggml.h at llama.cpp b11192, as the Rust bankml's `gguf.rs` does; the
 byte layouts are ggml's type traits (`blck_size`, `type_size`), the same table as gguf-py's
 `GGML_QUANT_SIZES`, plus bankML's own Q2_0 (group 64). A test keeps the two tables equal.
 """
@@ -87,7 +87,7 @@ BLOCK_LAYOUT: dict[int, tuple[int, int]] = {
     34: (256, 54),  # TQ1_0
     35: (256, 66),  # TQ2_0
     39: (32, 17),  # MXFP4
-    40: (64, 36),  # NVFP4 in gguf-py 0.19; the original prints the id as "40"
+    40: (64, 36),  # NVFP4 in gguf-py 0.19; the Rust bankml prints the id as "40"
     41: (128, 18),  # Q1_0
     42: (64, 18),  # Q2_0, bankML's group-64 ternary layout (64 trits in 18 bytes)
 }

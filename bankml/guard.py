@@ -1,8 +1,8 @@
 """The guard: a bounded GGUF header parser that says play, refuse (with reasons) or need_more.
 
-It runs before anything else touches a model file (gate.md §1, spec README §5): `guard_file` reads a
+It runs before anything else touches a model file (README, "The gate"): `guard_file` reads a
 32 MiB prefix and `judge` parses it with no other library, so a hostile header is refused here, not
-inside gguf-py or the engine. The rules are gate.md §2's (ported from the original's `gguf.rs`, whose
+inside gguf-py or the engine. The rules are the Rust bankml's (its `gguf.rs`, 0.4.2, whose
 reason texts are kept byte for byte) followed by ours: every tensor's data is sized from its block
 layout and must lie inside the file, aligned, without overlapping another's; names are unique; every
 count and length is checked against a bound and against the bytes the file can hold before anything is
@@ -31,7 +31,7 @@ U64_MAX = (1 << 64) - 1
 _I128_MIN, _I128_MAX = -(1 << 127), (1 << 127) - 1
 _U128_MAX = (1 << 128) - 1
 
-PREFIX_BYTES = 32 << 20  # guard_file's first read (gate.md §1)
+PREFIX_BYTES = 32 << 20  # guard_file's first read: the header of any real model fits in it
 DEFAULT_ALIGNMENT = 32
 MAX_ARRAY_DEPTH = 64
 
@@ -54,7 +54,7 @@ _MIN_ARRAY_BYTES = 12  # element type (4) + count (8)
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _ARRAY_HEAD = struct.Struct("<IQ")  # element type, count
-# Scalar value types: (struct, is_bool). Types 0-7 and 10-12 of gate.md §2.
+# Scalar value types: (struct, is_bool). GGUF's value types 0-7 and 10-12 (gguf-py's GGUFValueType).
 _SCALARS: dict[int, tuple[struct.Struct, bool]] = {
     0: (struct.Struct("<B"), False),
     1: (struct.Struct("<b"), False),
@@ -74,7 +74,7 @@ _STRING, _ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class GGUFArray:
-    """A metadata array: skipped, not decoded; only its count is kept, as the original does."""
+    """A metadata array: skipped, not decoded; only its count is kept, as the Rust bankml does."""
 
     count: int
     elem_type: int
@@ -134,7 +134,7 @@ class Report:
     metadata: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        """The report object of `guard --json` (gate.md §2), keys in the original's order."""
+        """The report object of `guard --json`, keys in the Rust bankml's order (its clients match them)."""
         if self.verdict == "need_more":
             return {"verdict": "need_more", "bytes_needed": self.bytes_needed}
         out: dict[str, object] = {
@@ -164,7 +164,7 @@ class Report:
 class _NeedMore(Exception):
     def __init__(self, n: int):
         super().__init__(n)
-        self.n = min(n, U64_MAX)  # the original's checked_add clamps to u64::MAX
+        self.n = min(n, U64_MAX)  # the Rust bankml's checked_add clamps to u64::MAX
 
 
 class _Refuse(Exception):
@@ -195,7 +195,7 @@ class _Reader:
 
     def array_head(self) -> tuple[int, int]:
         if self.o + 12 > self.end:
-            return self.u32(), self.u64()  # need_more names the field that is cut, as the original
+            return self.u32(), self.u64()  # need_more names the field that is cut, as the Rust bankml
         return _ARRAY_HEAD.unpack_from(self.buf, self.take(12))
 
     def fits(self, need: int) -> None:
@@ -233,7 +233,7 @@ class _Reader:
                 raise _Refuse(f"gguf arrays nested deeper than {MAX_ARRAY_DEPTH}")
             size = _SCALAR_BYTES.get(elem_type)
             if size is not None:
-                self.take(min(n * size, U64_MAX))  # skipped, not decoded; saturating as the original
+                self.take(min(n * size, U64_MAX))  # skipped, not decoded; saturating as the Rust bankml
             elif n:
                 if elem_type == _STRING:
                     self.skip_strings(n)
@@ -399,7 +399,7 @@ def _layout_reasons(h: _Header, file_size: int | None, short_q2: set[int]) -> li
                 f"tensor {_shown(t.name)}: offset {t.offset} is not a multiple of the alignment {h.alignment}"
             )
         if t.type_id >= MAINLINE_COUNT or i in short_q2:
-            continue  # already refused by the original's rules
+            continue  # already refused by the Rust bankml's rules
         layout = BLOCK_LAYOUT.get(t.type_id)
         if layout is None:
             no_layout.append(
@@ -445,7 +445,7 @@ def _layout_reasons(h: _Header, file_size: int | None, short_q2: set[int]) -> li
 
 
 def _short_q2_0(h: _Header, file_size: int | None) -> set[int]:
-    """Indices of type-42 tensors whose span is below the group-64 size (gate.md §2 check 4)."""
+    """Indices of type-42 tensors whose span is below the group-64 size."""
     order = sorted(range(len(h.tensors)), key=lambda i: h.tensors[i].offset)  # stable, as Rust's sort_by_key
     short = set()
     for pos, i in enumerate(order):
@@ -467,7 +467,7 @@ def judge(
     file_size: int | None = None,
     filename: str | None = None,
 ) -> Report:
-    """Judge a header prefix without I/O, as the original's `judge(b, engine, file_size, filename)`.
+    """Judge a header prefix without I/O, as the Rust bankml's `judge(b, engine, file_size, filename)`.
 
     `rule_set` and `filename` feed only the prism/Bonsai rules, which are out of scope: every call is
     judged as mainline.

@@ -1,6 +1,6 @@
-"""JSON text the original's way: fixed key order, `": "` and `", "` separators, its string escaper.
+"""JSON text the Rust bankml's way: fixed key order, `": "` and `", "` separators, its string escaper.
 
-gate.md §1: the crate's `jstr` escapes `"`, `\\` and `\\n`, writes every other char below 0x20 as
+The Rust bankml's `jstr` escapes `"`, `\\` and `\\n`, writes every other char below 0x20 as
 `\\u00xx` (lowercase hex, so a tab is `\\u0009`), and leaves non-ASCII raw. Clients match substrings
 of this text, so `json.dumps` (which writes `\\t`) is not close enough for strings from a header.
 """

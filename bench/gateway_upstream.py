@@ -9,7 +9,7 @@ free ports, so both addresses are live at once, then alternates between them (so
 weighs on both sides alike):
 - /health: one request per connection on each side (the gateway closes every connection, so the
   direct side does too), `--requests` each; the median latency of each and their difference, the
-  gateway's added cost (the original Rust gateway adds 0.71 ms; the aim is under 0.5 ms);
+  gateway's added cost (the Rust bankml gateway adds 0.71 ms; the aim is under 0.5 ms);
 - a streamed greedy answer of `--tokens` tokens (ignore_eos), `--rounds` times on each side: tokens
   per second as the client sees them (first content event to last), the medians and their ratio
   (through / direct; the aim is at least 0.98), and the median of the per-round ratios. On a small

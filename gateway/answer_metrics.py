@@ -1,15 +1,16 @@
 """`GET /bankml/metrics`: one record per completed answer, in a ring of 256 (monitor.md §2).
 
 The record is the original's, key for key and rounded as it rounds, then ours:
-- times: `prompt_ms` (t0 to the first token) and `eval_ms` (first token to the last) are measured on
-  the engine thread; t0 is when the answer's turn on the engine came, so time queued is excluded.
-  `ttft_ms` runs from t0 to the first non-empty piece of text as the gateway received it.
+- times: the engine thread's timeline of the answer (model/messages.py, `Timeline`). t0 is when the
+  answer's turn on the engine came, so time queued is excluded. `prompt_ms` runs from t0 to the
+  first token, `eval_ms` from it to the last, `ttft_ms` from t0 to the first token that released
+  text (the same TTFT as the receipt's and Prometheus' bankml_ttft_seconds).
 - rates: `prompt_tps = (prompt - cached) / prompt s` and `eval_tps = completion / eval s` (the
   end-of-generation token counts, as llama-server counts it), each null unless both terms are > 0.
 - `grammar_ms` 0.0 and `resampled` 0: no answer is grammar-constrained yet, so none spends time there.
-- energy: `energy_j` is the engine device's counter over t0..end (RAPL when it runs on the CPU, NVML
-  when on NVIDIA GPUs), `joules_per_token` that over the completion tokens. Null where unmeasured,
-  with the reason in the record's `unavailable`; nothing is estimated.
+- energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
+  when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
+  tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
 Added after the original keys: `package_energy_j` and `gpu_energy_j` (both counters, whichever the
 engine runs on), `energy_overlapped` (another answer ran during this one: device counters cannot
 split it) and `unavailable`.
@@ -25,7 +26,6 @@ import time
 from collections import deque
 from typing import Any
 
-from gpu_monitor.energy import EnergyReading
 from gpu_monitor.readings import rounded
 from model.messages import StepOutput
 
@@ -37,11 +37,10 @@ def _rate(n: int, ms: float) -> float | None:
     return rounded(n / (ms / 1e3), 2) if n > 0 and ms > 0 else None
 
 
-def answer_record(model: str, last: StepOutput, *, ttft_ms: float | None, energy: EnergyReading | None,
-                  energy_why: str | None = None, at: float | None = None) -> dict[str, Any]:
-    """The record of one completed answer. `last` is its final StepOutput; `energy` its meter reading
-    (None when no reading could be taken, `energy_why` says why)."""
+def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> dict[str, Any]:
+    """The record of one completed answer, from its final StepOutput (its timeline and energy)."""
     why: dict[str, str] = {}
+    energy, energy_why, ttft_ms = last.energy, last.energy_why, last.ttft_ms
     if energy is None:
         energy_j = package_j = gpu_j = None
         overlapped = False
@@ -91,10 +90,6 @@ class MetricsRing:
     def append(self, record: dict[str, Any]) -> None:
         with self._lock:
             self.records.append(record)
-
-    def last(self, n: int) -> list[dict[str, Any]]:
-        with self._lock:
-            return list(self.records)[-n:] if n > 0 else []
 
     def json_dict(self, source: str = SOURCE) -> dict[str, Any]:
         with self._lock:

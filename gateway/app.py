@@ -107,7 +107,8 @@ def native_monitoring(state: GatewayState) -> Monitoring:
     monitor = Monitor()
     monitor.start()  # RAPL's wrap accounting, and NVML's init before the first answer's mark
     return Monitoring(monitor, whoami=lambda: bankml_routes.bankml_info(state), mode="native",
-                      root_text=ROOT_TEXT, energy_device=device_budget.engine_platform())
+                      root_text=ROOT_TEXT, energy_device=device_budget.engine_platform(),
+                      engine_thread=state.client.thread)
 
 
 def _refuse(why: str) -> int:

@@ -34,6 +34,7 @@ class ChatRequest:
     params: SamplingParams
     model: str | None
     add_generation_prompt: bool = True
+    include_usage: bool = False  # stream_options.include_usage: usage in a last chunk of its own
 
 
 def bad(message: str) -> ApiError:
@@ -161,7 +162,6 @@ def openai_layer(body: Any) -> tuple[dict, list[dict]]:
 # request field -> why ignoring it cannot change the answer (the report's "ignored" column)
 IGNORED = {
     "model": "one model is served; a name that is not it is a 404 before this",
-    "stream_options": "the final chunk always carries usage (serving.md §6)",
     "return_tokens": "only llama-server's /completion shape has `tokens`",
     "response_fields": "only llama-server's /completion shape reads it",
     "sse_ping_interval": "pings are SSE comments, not part of the answer",
@@ -261,5 +261,6 @@ def parse_chat(body: bytes, defaults: SamplingParams | None = None) -> ChatReque
         model = None  # llama-server never reads it; a single-model server answers whatever it names
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
-    return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt)
+    return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
+                       bool(p["include_usage"]))
 

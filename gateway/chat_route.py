@@ -5,16 +5,16 @@
 2. resolve `model` (404) and acquire the model: its file must still be the verified one, or 503 and
    no receipt (residency.py);
 3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
-4. hand the request to the engine queue (engine_client.py, metered by monitoring.py) and read this
-   request's outputs;
-5. write them: one JSON answer (the text released, then what was held back at the end, and the
-   logprob entries less the stop word's), or SSE chunks as the pieces form (a role delta first when
-   logprobs are asked; held-back text never sent, as llama-server); the head of a stream goes out
-   with the first token, so a failure before it is still an ordinary error status;
-6. a completed answer's /bankml/metrics record (before the answer goes out, so a client that asks
-   next sees it); the receipt over the text exactly as sent, then `[DONE]`.
+4. hand the request to the engine queue (engine_client.py) and read this request's outputs; the
+   last one carries the engine thread's timeline and energy of the answer;
+5. write them (openai_chat.py, one `id` for the answer): one JSON answer (the text released, then
+   what was held back at the end, and the logprob entries less the stop word's), or SSE chunks as
+   the pieces form (the role delta first, held-back text never sent, as llama-server); the head of
+   a stream goes out with the first token, so a failure before it is still an ordinary error status;
+6. a completed answer's /bankml/metrics record goes to the monitor (before the answer goes out, so
+   a client that asks next sees it); the receipt over the text exactly as sent, then `[DONE]`.
 A client that goes away cancels the handler; leaving the `async with` aborts the generation before
-the engine's next decode step.
+the engine's next decode step, and the monitor counts the answer as abandoned.
 """
 
 from __future__ import annotations
@@ -25,15 +25,8 @@ import uuid
 
 from gateway.chat_request import parse_chat
 from gateway.errors import ApiError, exceed_context, json_response
-from gateway.openai_chat import (
-    DONE_EVENT,
-    chunk_event,
-    completion_body,
-    error_event,
-    final_event,
-    logprob_entry,
-    receipt_event,
-)
+from gateway.monitoring import Answer
+from gateway.openai_chat import DONE_EVENT, Completion, error_event, logprob_entry, receipt_event
 from gateway.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
@@ -54,35 +47,34 @@ async def chat_completions(request, state):
     prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
     if len(prompt) >= loaded.model.n_ctx:
         raise exceed_context(len(prompt), loaded.model.n_ctx)
-    job = GenerateRequest(prompt, chat.params, request_id=f"chatcmpl-{uuid.uuid4().hex[:16]}")
-    created = int(time.time())
+    completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), loaded.file_name,
+                            include_usage=chat.include_usage)
+    engine_request = GenerateRequest(prompt, chat.params, request_id=completion.id)
     tally = Tally.start(body)
-    if chat.stream:
-        return await _streamed(request, state, loaded, job, tally, created)
-    return await _whole(state, loaded, job, tally, created)
+    with state.monitoring.answer() as answer:
+        if chat.stream:
+            return await _streamed(request, state, loaded, engine_request, tally, completion, answer)
+        return await _whole(state, loaded, engine_request, tally, completion, answer)
 
 
 def _stem(loaded) -> str:
     return loaded.file_name.removesuffix(".gguf")  # the metrics record's model: the file stem, its case kept
 
 
-async def _whole(state, loaded, job: GenerateRequest, tally: Tally, created: int):
+async def _whole(state, loaded, engine_request: GenerateRequest, tally: Tally, completion: Completion,
+                 answer: Answer):
     pieces: list[str] = []
     entries: list[dict] = []
     last: StepOutput | None = None
-    async with state.monitoring.metered(state.client, job) as answer:
-        async for out in answer:
-            if out.token is not None:
-                tally.token()
+    async with state.client.generate(engine_request) as generation:
+        async for out in generation:
             pieces.append(out.text)
             if out.logprobs is not None:
                 entries.append(logprob_entry(out.logprobs))
             last = out
-        completed = last is not None and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-        if completed:
-            await answer.record(_stem(loaded), last)
-    if not completed:
+    if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
         raise engine_error(state, last or StepOutput(token=None))
+    answer.record(_stem(loaded), last)
     # llama-server's non-streamed content is all it generated: what was held back at the end too
     text = "".join(pieces) + last.held_text
     if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
@@ -90,43 +82,43 @@ async def _whole(state, loaded, job: GenerateRequest, tally: Tally, created: int
     tally.sent(text)
     if entries:
         tally.logprobs(entries)
-    tally.prompt_tokens, tally.completion_tokens = last.prompt_tokens, last.completion_tokens
+    tally.answered(last)
     receipt = tally.receipt(loaded.backend, loaded.verified)
-    return json_response(completion_body(text, last, created, loaded.file_name, receipt, entries))
+    return json_response(completion.body(text, last, receipt, entries))
 
 
-async def _streamed(request, state, loaded, job: GenerateRequest, tally: Tally, created: int):
+async def _streamed(request, state, loaded, engine_request: GenerateRequest, tally: Tally,
+                    completion: Completion, answer: Answer):
     response = None
     sent_entries: list[dict] = []
-    async with state.monitoring.metered(state.client, job) as answer:
-        async for out in answer:
+    async with state.client.generate(engine_request) as generation:
+        async for out in generation:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 if response is None:
                     raise engine_error(state, out)
                 await response.send(error_event(engine_error(state, out)))  # no receipt for a failed answer
                 await response.eof()
                 return None  # the answer went out through `response`
+            entry = [logprob_entry(out.logprobs)] if out.logprobs is not None else None
             if response is None:
                 response = await request.respond(content_type="text/event-stream",
                                                   headers={"Cache-Control": "no-cache"})
-            if out.token is not None:
-                tally.token()
-            entry = [logprob_entry(out.logprobs)] if out.logprobs is not None else None
-            if entry is not None and out.completion_tokens == 1:
-                # the role delta opens the stream; the entry rides on it when the token has no text
-                await response.send(chunk_event(None, created, loaded.file_name, None if out.text else entry))
-                if not out.text:
-                    sent_entries += entry
+                # the role delta opens the stream; the first token's entry rides on it when it has no text
+                rides = entry if entry is not None and not out.text else None
+                await response.send(completion.chunk(None, rides))
+                if rides:
+                    sent_entries += rides
+                    entry = None
             if out.text:
-                await response.send(chunk_event(out.text, created, loaded.file_name, entry))
+                await response.send(completion.chunk(out.text, entry))
                 tally.sent(out.text)
                 sent_entries += entry or []
             if out.finish_reason is not None:
-                tally.prompt_tokens, tally.completion_tokens = out.prompt_tokens, out.completion_tokens
+                tally.answered(out)
                 if sent_entries:
                     tally.logprobs(sent_entries)
-                await answer.record(_stem(loaded), out)
-                await response.send(final_event(out, created, loaded.file_name))
+                answer.record(_stem(loaded), out)
+                await response.send(completion.final_chunks(out))
                 await response.send(receipt_event(tally.receipt(loaded.backend, loaded.verified)))
                 await response.send(DONE_EVENT)
                 await response.eof()

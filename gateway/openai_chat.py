@@ -1,15 +1,24 @@
 """`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
 gateway/chat_request.py; `parse_messages` serves llama-server's /apply-template).
 
-Writing (serving.md §6, with the original's JSON style: `", "` and `": "` separators, key order as
-quoted there):
+Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
+order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
 - non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason",
-  ["logprobs": {"content": [...]}]}], "created", "model", "object": "chat.completion", "usage",
-  "timings", "bankml_receipt"}`;
-- streamed (SSE): one `chat.completion.chunk` per text piece, a final chunk with an empty delta, the
-  finish_reason, `usage` and `timings.cache_n`, then `data: {"bankml_receipt": ...}`, then
-  `data: [DONE]`. With logprobs, a role delta goes first (when the first token completes its UTF-8,
-  as llama-server sends it), and each entry rides on the chunk its token's text makes.
+  ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
+  "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
+- streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
+  "object": "chat.completion.chunk"}`, with one `id` for the whole answer. A role delta
+  (`{"role": "assistant", "content": null}`) opens the stream, as OpenAI sends it (llama-server
+  sends it with the first token's result, so not at all when that token ends inside a character);
+  then one chunk per text piece; then a chunk with an empty delta and the finish_reason. Without
+  `stream_options.include_usage` that chunk carries `usage` (as bankML always has; llama-server
+  omits it) and `timings.cache_n`; with it, `usage` and `timings` come in one more chunk whose
+  `choices` is `[]`, as llama-server and OpenAI send it. Then `data: {"choices": [], "bankml_receipt":
+  ...}` (an empty `choices`, so a client that reads `choices` on every chunk does not break), then
+  `data: [DONE]`. With logprobs, each entry rides on the chunk its token's text makes (on the role
+  delta when the first token has none).
+- `system_fingerprint` is `b<bankml's version>` (llama-server writes its build, `b<number>-<commit>`):
+  it names the server that answered; the backend is in the receipt's `engine`.
 - a logprob entry (llama-server's `probs_vector_to_json`): `{"id", "token", "bytes", "logprob",
   "top_logprobs": [{"id", "token", "bytes", "logprob"}]}`; `token` is the text the stop filter
   released at that token, cut before a character its bytes leave unfinished; `bytes` are raw.
@@ -19,9 +28,10 @@ quoted there):
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from bankml import jstr
+from bankml import __version__, jstr
 from gateway.errors import ApiError
 from model.detokenizer import complete_utf8_len
 from model.messages import LogprobEntry, StepOutput
@@ -81,44 +91,62 @@ def logprob_entry(e: LogprobEntry) -> dict:
                              for t in e.top]}
 
 
-def completion_body(text: str, last: StepOutput, created: int, model_id: str, receipt: dict,
-                    logprobs: list[dict] | None = None) -> str:
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                              "finish_reason": last.finish_reason.value}
-    if logprobs:  # llama-server writes the key only when there are entries
-        choice["logprobs"] = {"content": logprobs}
-    return jstr.dumps({
-        "choices": [choice],
-        "created": created,
-        "model": model_id,
-        "object": "chat.completion",
-        "usage": usage(last),
-        "timings": timings(last),
-        "bankml_receipt": receipt,
-    })
+SYSTEM_FINGERPRINT = f"b{__version__}"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One chat completion's constants, repeated by its body or by every chunk of its stream."""
+
+    id: str  # "chatcmpl-...", llama-server's form
+    created: int
+    model: str
+    include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
+
+    def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None) -> str:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "finish_reason": last.finish_reason.value}
+        if logprobs:  # llama-server writes the key only when there are entries
+            choice["logprobs"] = {"content": logprobs}
+        return jstr.dumps({
+            "choices": [choice],
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": "chat.completion",
+            "usage": usage(last),
+            "id": self.id,
+            "timings": timings(last),
+            "bankml_receipt": receipt,
+        })
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> bytes:
+        return _event({"choices": choices, "created": self.created, "id": self.id, "model": self.model,
+                       "system_fingerprint": SYSTEM_FINGERPRINT, "object": "chat.completion.chunk", **extra})
+
+    def chunk(self, piece: str | None, logprobs: list[dict] | None = None) -> bytes:
+        """A content chunk; with `piece` None, the role delta that opens the stream."""
+        delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        if logprobs:
+            choice["logprobs"] = {"content": logprobs}
+        return self._chunk([choice])
+
+    def final_chunks(self, last: StepOutput) -> bytes:
+        """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one."""
+        finish = [{"index": 0, "delta": {}, "finish_reason": last.finish_reason.value}]
+        cache_n = {"cache_n": last.cached_tokens}
+        if not self.include_usage:
+            return self._chunk(finish, usage=usage(last), timings=cache_n)
+        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=cache_n)
 
 
 def _event(obj: dict) -> bytes:
     return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
 
 
-def chunk_event(piece: str | None, created: int, model_id: str, logprobs: list[dict] | None = None) -> bytes:
-    """A content chunk; with `piece` None, the role delta that opens a stream with logprobs."""
-    delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
-    if logprobs:
-        choice["logprobs"] = {"content": logprobs}
-    return _event({"choices": [choice], "created": created, "model": model_id, "object": "chat.completion.chunk"})
-
-
-def final_event(last: StepOutput, created: int, model_id: str) -> bytes:
-    return _event({"choices": [{"index": 0, "delta": {}, "finish_reason": last.finish_reason.value}],
-                   "created": created, "model": model_id, "object": "chat.completion.chunk",
-                   "usage": usage(last), "timings": {"cache_n": last.cached_tokens}})
-
-
 def receipt_event(receipt: dict) -> bytes:
-    return _event({"bankml_receipt": receipt})
+    return _event({"choices": [], "bankml_receipt": receipt})
 
 
 def error_event(error: ApiError) -> bytes:

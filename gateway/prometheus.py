@@ -145,7 +145,8 @@ class PromMetrics:
                                          registry=r)
         self._energy: tuple[float, int] | None = None  # (joules, completion tokens) of measured answers
         self.ttft = Histogram("bankml_ttft_seconds",
-                              "From the request handed to the engine queue to its first text (queueing included).",
+                              "From the answer's turn on the engine to its first text (time queued excluded; "
+                              "the ttft_ms of /bankml/metrics and of the receipt).",
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.latency = Histogram("bankml_request_duration_seconds",
                                  "From the request handed to the engine queue to its last token.",

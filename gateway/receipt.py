@@ -5,9 +5,12 @@ verified file, for this request: `response_sha256` is the sha256 of the answer t
 (the message content, or the streamed deltas joined), `request_sha256` of the raw request body, and,
 when the answer has logprobs, `logprobs_sha256` of the `logprobs.content` array as this gateway writes
 it (a stream's entries gathered into one array, in the order sent).
-The times are whole milliseconds (the original's `as_millis`), counted from the moment the request
-was handed to the engine queue; `ttft_ms` is measured for non-streamed answers too. Receipts are not
-signed: they prove integrity between a client and its own bankml serve, not to a third party.
+The times are whole milliseconds, truncated. `wall_ms` runs from the moment the
+request was handed to the engine queue to the receipt. `ttft_ms` is, with --native, the engine's
+time to first text (from the answer's turn on the engine, as /bankml/metrics' `ttft_ms`), streamed
+or not; in front of llama-server it is the gateway's, to the first streamed piece (null when not
+streamed). Receipts are not signed: they prove integrity between a client and its own bankml
+serve, not to a third party.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 
 from bankml import __version__, jstr
 from bankml.verify import Verified
+from model.messages import StepOutput
 
 
 @dataclass
@@ -38,9 +42,14 @@ class Tally:
         return cls(hashlib.sha256(body).hexdigest())
 
     def token(self) -> None:
-        """A token came out of the engine (the first one sets the time to first token)."""
+        """A piece came from llama-server (the first one sets the time to first token)."""
         if self.ttft_ms is None:
             self.ttft_ms = int((time.perf_counter() - self.t0) * 1e3)
+
+    def answered(self, last: StepOutput) -> None:
+        """The engine's final output: the counts, and the time to first text it measured."""
+        self.prompt_tokens, self.completion_tokens = last.prompt_tokens, last.completion_tokens
+        self.ttft_ms = None if last.ttft_ms is None else int(last.ttft_ms)
 
     def sent(self, text: str) -> None:
         """`text` went to the client as part of the answer."""
@@ -72,9 +81,6 @@ class Tally:
             out["logprobs_sha256"] = self.logprobs_sha256
         out["signed"] = False
         return out
-
-    def receipt_json(self, engine: str, verified: Verified) -> str:
-        return jstr.dumps(self.receipt(engine, verified))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

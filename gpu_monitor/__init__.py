@@ -1,7 +1,7 @@
 """What the machine is doing, with units in every name: /proc, RAPL, DRM sysfs, NVML and amdsmi.
 
 Behind `GET /bankml/usage` (`Monitor.get_usage()`) and the energy of `/bankml/metrics`
-(`Monitor.energy_meter()`). Every value that cannot be read is null (memory: 0, as the original) with
+(`Monitor.energy_meter()`). Every value that cannot be read is null (memory: 0, as the Rust bankml) with
 its reason in an `unavailable` map; nothing here raises for a missing device or file. Importing this
 package is cheap: pynvml, amdsmi and psutil are imported on first use, jax never.
 """

@@ -3,7 +3,7 @@
 `import amdsmi` raises (not only ImportError) when no matching ROCm library is installed, so the import
 is guarded by `except Exception` and the reason kept. sysfs stays primary for busy/VRAM/GTT: APUs
 (gfx1103, gfx1151) often read "N/A" here while sysfs works. Keys, units and support drift between amdsmi
-versions (monitor.md §4): a value that reads "N/A", holds a UINT-max sentinel or raises
+versions: a value that reads "N/A", holds a UINT-max sentinel or raises
 AmdSmiLibraryException (code 2 = not supported) is null with the reason; power keys are probed in
 order and the unit of `power_limit` (W, or µW in some versions) is decided by plausibility.
 """

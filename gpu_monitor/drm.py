@@ -1,4 +1,4 @@
-"""DRM sysfs: one reading per `/sys/class/drm/card<N>`, listed exactly as the original lists them.
+"""DRM sysfs: one reading per `/sys/class/drm/card<N>`, listed exactly as the Rust bankml's `sys.rs` lists them.
 
 Only amdgpu exposes `gpu_busy_percent` and `mem_info_{vram,gtt}_{used,total}`, so an i915, nvidia or
 ast (BMC) card is still listed, with those values null and the reason given. On an APU the VRAM
@@ -35,7 +35,7 @@ _SYSFS_FILES = {
 
 
 def list_cards(sys_root: str | Path = "/sys") -> tuple[list[Path], str | None]:
-    """Card directories sorted *as strings* (card0, card1, card10, card2), as the original does."""
+    """Card directories sorted *as strings* (card0, card1, card10, card2), as the Rust bankml does (its status page keeps that order)."""
     base = Path(sys_root) / "class" / "drm"
     try:
         names = sorted(p.name for p in base.iterdir() if _CARD.match(p.name))

@@ -1,6 +1,6 @@
 """Energy of one answer: counters read at its start and its end, nothing estimated.
 
-The engine takes a mark right after its slot is acquired (queueing excluded, as the original's t0) and
+The engine takes a mark right after its slot is acquired (queueing excluded, as llama-server's timings) and
 stops it when the answer completes; errors and client-gone runs `cancel()` their mark and record nothing.
 
 - `package_energy_j`: RAPL, all CPU packages summed (the whole package: other processes and an APU's
@@ -11,7 +11,7 @@ stops it when the answer completes; errors and client-gone runs `cancel()` their
   GPUs when it runs on NVIDIA GPUs. Null where that device's counter is unmeasured.
 
 The counters are device-wide: when two answers overlap, each is charged the device's whole energy
-over its span, and `overlapped` says so (the original has one slot and never overlaps).
+over its span, and `overlapped` says so (the Rust bankml has one slot and never overlaps).
 """
 
 from __future__ import annotations

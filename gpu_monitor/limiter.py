@@ -84,7 +84,7 @@ class LimiterStatus:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """`limit`, `allocated_bytes` and `heap_bytes` keep the original's names (its status page reads
+        """`limit`, `allocated_bytes` and `heap_bytes` keep the Rust bankml's names (its status page reads
         `gpu_limiter.limit` and `allocated_bytes`); the rest is ours."""
         return {
             "limit": round(self.memory_fraction, 2),

@@ -1,6 +1,6 @@
 """Cores, memory, swap and a process's RSS and CPU time, from /proc (psutil where /proc is not there).
 
-Mirrors bankML `sys.rs`: memory fields that cannot be read are 0, not null (monitor.md §1, kept for the
+Mirrors bankML `sys.rs`: memory fields that cannot be read are 0, not null (as `sys.rs` writes them, kept for the
 original's clients), but the reason still lands in `unavailable`. psutil is only a fallback for the
 real /proc (a fake root in tests must never leak the host's numbers), and it is imported lazily.
 """
@@ -65,7 +65,7 @@ class ProcFS:
 
     def cores(self) -> int:
         """CPUs this process may use: affinity, capped by the cgroup CPU quota (as Rust's
-        `available_parallelism`, which the original calls); `os.cpu_count()`, then 1, when unknown."""
+        `available_parallelism`, which the Rust bankml calls); `os.cpu_count()`, then 1, when unknown."""
         n = self._affinity_count() or os.cpu_count() or 1
         quota = self.cgroup_cpu_quota()
         if quota is not None:
@@ -148,7 +148,7 @@ class ProcFS:
             found.update({k: v for k, v in _psutil_memory().items() if k in missing})
             missing = [k for k in missing if k not in found]
         for k in missing:
-            unavailable[k] = f"{why} (reads 0, as the original)"
+            unavailable[k] = f"{why} (reads 0, as the Rust bankml)"
         return MemoryReading(**{k: found.get(k, 0) for k in _MEMINFO_KEYS.values()}, unavailable=unavailable)
 
     # --- processes -----------------------------------------------------------------------------------

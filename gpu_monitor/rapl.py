@@ -9,7 +9,7 @@ counter. AMD Zen exposes the same zones (package only).
 Counters wrap at `max_energy_range_uj` (AMD ≈65.5 kJ: about every 11 min at 100 W; Intel ≈262 kJ:
 about 44 min), so `EnergyAccumulator` reads every zone at each mark and at least every `poll_every_s`
 and adds `(b - a) mod (range + 1)`. Without the range a wrap cannot be told from a reset: null, never
-the original's u64::MAX guess. `energy_uj` has been root-only since Linux 5.10 (CVE-2020-8694).
+the Rust bankml's u64::MAX guess. `energy_uj` has been root-only since Linux 5.10 (CVE-2020-8694).
 """
 
 from __future__ import annotations

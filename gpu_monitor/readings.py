@@ -1,7 +1,7 @@
 """Shared shapes for the samplers: one GPU's reading from one backend, and failures turned into reasons.
 
 Every backend answers with values and, for each value it could not get, a reason; nothing here raises
-for an unreadable file. `sample.py` merges the readings and renders them with the original's keys.
+for an unreadable file. `sample.py` merges the readings and renders them with the Rust bankml's keys.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ AUTO = _Auto()
 
 Reader = Callable[[Path], str]
 
-# The per-GPU keys a backend may fill, in the order they are rendered (monitor.md §1.1, then §4).
+# The per-GPU keys a backend may fill, in the order they are rendered (the Rust bankml's keys, then ours).
 GPU_VALUE_KEYS = (
     "busy_percent",
     "vram_used_bytes",

@@ -1,9 +1,9 @@
 """The usage snapshot behind `GET /bankml/usage`: one 250 ms sample, at most once a second, shared.
 
 A sample reads CPU times, RAPL and NVML energy, sleeps one window, reads them again, then reads memory
-and GPUs (as bankML `sys.rs`). GPUs are listed as DRM cards, exactly as the original lists them, then
+and GPUs (as bankML `sys.rs`). GPUs are listed as DRM cards, exactly as the Rust bankml lists them, then
 NVML and amdsmi devices are merged into their card by PCI address; a library device with no card is
-appended as `nvml<i>` / `amdsmi<i>`. Keys and order are the original's (monitor.md §1), then ours
+appended as `nvml<i>` / `amdsmi<i>`. Keys and order are the Rust bankml's, then ours
 (§4): `sampled_at`, `package_energy_j`, `unavailable`.
 
 Caching: a sample is reused until `min_interval_s` after its *start*. It is single-flight: whoever
@@ -32,9 +32,9 @@ from gpu_monitor.procfs import ProcFS
 from gpu_monitor.rapl import EnergyAccumulator
 from gpu_monitor.readings import AUTO, GpuReading, Reader, read_text, rounded
 
-USAGE_SOURCE = "bankml sys.rs (/proc)"  # the original's constant, kept for its clients
+USAGE_SOURCE = "bankml sys.rs (/proc)"  # the Rust bankml's constant, kept for its clients
 
-# Which backend wins per GPU key: sysfs is primary for the original's fields (APUs read N/A in amdsmi),
+# Which backend wins per GPU key: sysfs is primary for the Rust bankml's fields (APUs read N/A in amdsmi),
 # the libraries for the additive ones (sysfs only has hwmon as a fallback there).
 _PRIORITY = {
     "busy_percent": ("sysfs", "nvml", "amdsmi"),

@@ -31,10 +31,6 @@ class KVCache:
     def n_slots(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def capacity(self) -> int:
-        return self.v.shape[4]
-
 
 def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> KVCache:
     n_layer, h, dh = config.n_layer, config.n_head_kv, config.head_dim
@@ -42,11 +38,3 @@ def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.
                    v=jnp.zeros((n_layer, n_slots, h, dh, n_ctx), dtype),
                    lengths=jnp.zeros((n_slots,), jnp.int32))
 
-
-def cache_bytes(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> int:
-    return 2 * config.n_layer * n_slots * n_ctx * config.n_head_kv * config.head_dim * jnp.dtype(dtype).itemsize
-
-
-def set_length(cache: KVCache, slot: int | jax.Array, length: int | jax.Array) -> KVCache:
-    """Truncate (or reset) one slot: cells at positions >= length become invalid."""
-    return KVCache(cache.k, cache.v, cache.lengths.at[slot].set(length))

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_monitor.energy import EnergyReading
 
 
 class FinishReason(str, enum.Enum):  # noqa: UP042 (str() of a member must stay "FinishReason.X")
@@ -100,6 +104,45 @@ class LogprobEntry:
     top: tuple[TopLogprob, ...]
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """When one request reached each stage, in `time.perf_counter()` seconds, stamped on the engine
+    thread. Every duration the gateway reports (llama-server's `timings`, the /bankml/metrics record,
+    the receipt's `ttft_ms`, Prometheus) is derived here, so each is measured once.
+
+    Durations start at `started_s`, the request's turn on the engine: time queued behind other
+    requests is `queue_ms`, never part of the prompt or the time to first token.
+    """
+
+    queued_s: float  # handed to the engine thread's queue
+    started_s: float  # its turn on the engine
+    first_token_s: float  # the prompt is done: the first token came out
+    first_text_s: float | None  # the first token that released text (None: none did)
+    ended_s: float  # the last output
+
+    @property
+    def queue_ms(self) -> float:
+        return (self.started_s - self.queued_s) * 1e3
+
+    @property
+    def prompt_ms(self) -> float:
+        return (self.first_token_s - self.started_s) * 1e3
+
+    @property
+    def predicted_ms(self) -> float:
+        return (self.ended_s - self.first_token_s) * 1e3
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """To the first non-empty, valid-UTF-8 piece: what a client sees first."""
+        return None if self.first_text_s is None else (self.first_text_s - self.started_s) * 1e3
+
+    @property
+    def latency_ms(self) -> float:
+        """From the queue to the last output."""
+        return (self.ended_s - self.queued_s) * 1e3
+
+
 @dataclass
 class StepOutput:
     """What one decode step produced for one request.
@@ -124,7 +167,21 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # Set by the engine thread on a request's last output, as llama-server's timings measure them:
-    # the prompt (prefill up to the first token) and the decode steps after it, in milliseconds.
-    prompt_ms: float = 0.0
-    predicted_ms: float = 0.0
+    # Set by the engine thread on the last output of a request that ran: when each stage came, and
+    # for a completed one the energy its device used from `timeline.started_s` to the end (None:
+    # unmeasured, `energy_why` says why).
+    timeline: Timeline | None = None
+    energy: EnergyReading | None = None
+    energy_why: str | None = None
+
+    @property
+    def prompt_ms(self) -> float:
+        return self.timeline.prompt_ms if self.timeline is not None else 0.0
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.timeline.predicted_ms if self.timeline is not None else 0.0
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return self.timeline.ttft_ms if self.timeline is not None else None

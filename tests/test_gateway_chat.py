@@ -114,15 +114,16 @@ def test_the_stream_on_the_wire(server):
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     receipt = json.loads(events[-2])
-    assert list(receipt) == ["bankml_receipt"]
+    assert list(receipt) == ["choices", "bankml_receipt"] and receipt["choices"] == []
     final = json.loads(events[-3])
     assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
     assert final["object"] == "chat.completion.chunk" and set(final["timings"]) == {"cache_n"}
     chunks = [json.loads(e) for e in events[:-3]]
-    assert all(list(c) == ["choices", "created", "model", "object"] for c in chunks)
+    assert all(list(c) == ["choices", "created", "id", "model", "system_fingerprint", "object"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}  # always, as llama-server
     assert all(c["choices"][0]["finish_reason"] is None and list(c["choices"][0]["delta"]) == ["content"]
-               for c in chunks)  # no role delta without logprobs
-    sent = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+               for c in chunks[1:])
+    sent = "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:])
     assert receipt["bankml_receipt"]["response_sha256"] == sha(sent)
     assert receipt["bankml_receipt"]["request_sha256"] == sha(body)
     # the original's JSON style: ", " and ": " separators, non-ASCII written raw

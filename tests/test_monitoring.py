@@ -25,7 +25,7 @@ from gpu_monitor.readings import read_text
 from gpu_monitor.sample import Monitor
 from model import device_budget
 from model.engine_thread import EngineThread
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
+from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,9 +35,16 @@ RECORD_KEYS = ["at", "model", "prompt_tokens", "cached_tokens", "completion_toke
 WATTS = 100.0
 
 
-def last_output(**kw) -> StepOutput:
+def timeline(prompt_ms: float = 500.0, predicted_ms: float = 2500.0, ttft_ms: float | None = 512.34) -> Timeline:
+    started_s = 100.0
+    first_token_s = started_s + prompt_ms / 1e3
+    first_text_s = None if ttft_ms is None else started_s + ttft_ms / 1e3
+    return Timeline(started_s - 1.0, started_s, first_token_s, first_text_s, first_token_s + predicted_ms / 1e3)
+
+
+def last_output(times: Timeline | None = None, **kw) -> StepOutput:
     base = dict(token=2, finish_reason=FinishReason.STOP, prompt_tokens=120, cached_tokens=20,
-                completion_tokens=50, prompt_ms=500.0, predicted_ms=2500.0)
+                completion_tokens=50, timeline=times or timeline())
     return StepOutput(**{**base, **kw})
 
 
@@ -49,7 +56,7 @@ def reading(j: float | None) -> EnergyReading:
 
 
 def test_record_rates_energy_and_key_order():
-    r = answer_record("SmolLM2", last_output(), ttft_ms=512.34, energy=reading(10.0))
+    r = answer_record("SmolLM2", last_output(energy=reading(10.0)))
     assert list(r)[: len(RECORD_KEYS)] == RECORD_KEYS
     assert list(r)[len(RECORD_KEYS):] == ["package_energy_j", "gpu_energy_j", "energy_overlapped", "unavailable"]
     assert (r["prompt_tps"], r["eval_tps"], r["joules_per_token"]) == (200.0, 20.0, 0.2)
@@ -58,20 +65,20 @@ def test_record_rates_energy_and_key_order():
 
 
 def test_no_completion_no_rates_and_unmeasured_energy_is_null_with_its_reason():
-    r = answer_record("m", last_output(completion_tokens=0, predicted_ms=0.0, prompt_tokens=20), ttft_ms=None,
-                      energy=reading(None))
+    r = answer_record("m", last_output(timeline(predicted_ms=0.0, ttft_ms=None), completion_tokens=0,
+                                       prompt_tokens=20, energy=reading(None)))
     assert r["prompt_tps"] is None and r["eval_tps"] is None  # 20 prompt, 20 cached: nothing prefilled
     assert r["energy_j"] is None and r["joules_per_token"] is None
     assert r["unavailable"]["energy_j"] == "RAPL unread" and r["unavailable"]["ttft_ms"]
-    r = answer_record("m", last_output(), ttft_ms=1.0, energy=None, energy_why="the start mark did not run")
-    assert r["energy_j"] is None and r["unavailable"]["energy_j"] == "the start mark did not run"
+    r = answer_record("m", last_output(energy=None, energy_why="no energy meter"))
+    assert r["energy_j"] is None and r["unavailable"]["energy_j"] == "no energy meter"
 
 
 def test_ring_keeps_256_newest_last_and_energy_totals_over_measured_records_only():
     ring = MetricsRing()
     for i in range(KEEP + 3):
-        ring.append(answer_record("m", last_output(completion_tokens=i + 1), ttft_ms=1.0,
-                                  energy=reading(None if i % 2 else 2.0), at=float(i)))
+        ring.append(answer_record("m", last_output(completion_tokens=i + 1, energy=reading(None if i % 2 else 2.0)),
+                                  at=float(i)))
     body = ring.json_dict()
     assert list(body) == ["source", "kept", "keep", "prompt_tokens", "completion_tokens", "energy_j",
                           "joules_per_token", "records"]
@@ -84,7 +91,7 @@ def test_ring_keeps_256_newest_last_and_energy_totals_over_measured_records_only
     assert MetricsRing().json_dict()["energy_j"] is None
 
 
-# --- answers through the engine thread, metered --------------------------------------------------------
+# --- answers through the engine thread, measured there ------------------------------------------------
 
 
 def rapl_machine(root: Path) -> Monitor:
@@ -107,7 +114,8 @@ def engine_side(tmp_path):
     thread = EngineThread()
     engine = FakeEngine(step_s=0.01)
     thread.call(lambda: thread.set_engine(engine)).result()
-    monitoring = Monitoring(rapl_machine(tmp_path), whoami=lambda: {}, mode="native", root_text="x")
+    monitoring = Monitoring(rapl_machine(tmp_path), whoami=lambda: {}, mode="native", root_text="x",
+                            engine_thread=thread)
     yield EngineClient(thread), monitoring
     monitoring.close()
     thread.stop()
@@ -117,24 +125,18 @@ def job(text: str, **params) -> GenerateRequest:
     return GenerateRequest(list(text.encode()), SamplingParams(**params), request_id=text[:8])
 
 
-async def answer(monitoring, client, request, *, record: bool = True, seen: list | None = None):
+async def answer(monitoring, client, request, *, seen: list | None = None):
+    """As the chat route reads an answer: the engine client directly, the record to the monitor."""
     last = None
-    async with monitoring.metered(client, request) as a:
-        async for out in a:
-            last = out
-            if seen is not None:
-                seen.append(monitoring.flights.counts())
-        if record and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            return await a.record("Fake", last)
+    with monitoring.answer() as a:
+        async with client.generate(request) as generation:
+            async for out in generation:
+                last = out
+                if seen is not None:
+                    seen.append(monitoring.flights())
+        if last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            return a.record("Fake", last)
     return None
-
-
-def settled(monitoring: Monitoring) -> tuple[int, int]:
-    """(running, waiting) once the engine thread has run (or failed) the end marks still queued."""
-    deadline = time.monotonic() + 5
-    while monitoring.flights.counts() != (0, 0) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return monitoring.flights.counts()
 
 
 def test_one_record_per_answer_with_its_own_energy_span(engine_side):
@@ -150,7 +152,7 @@ def test_one_record_per_answer_with_its_own_energy_span(engine_side):
     a, b = asyncio.run(both())
     assert monitoring.ring.json_dict()["kept"] == 2
     assert (1, 1) in seen  # while the first ran, the second was waiting
-    assert monitoring.flights.counts() == (0, 0)
+    assert monitoring.flights() == (0, 0)
     assert (a["completion_tokens"], b["completion_tokens"]) == (40, len(REPLY_PIECES))
     for r in (a, b):
         assert r["energy_overlapped"] is False
@@ -184,18 +186,19 @@ def test_failed_and_abandoned_answers_push_no_record(engine_side):
     assert [r["finish"] for r in monitoring.ring.json_dict()["records"]] == ["length"]
     prom = scrape(monitoring)
     assert prom["bankml_answers_total"] == {("error",): 1, ("abort",): 1, ("length",): 1}
-    assert settled(monitoring) == (0, 0)
+    assert monitoring.flights() == (0, 0)
 
 
 def test_a_dead_engine_thread_leaves_no_request_counted(tmp_path):
     thread = EngineThread()
     engine = FakeEngine()
     thread.call(lambda: thread.set_engine(engine)).result()
-    monitoring = Monitoring(rapl_machine(tmp_path), whoami=lambda: {}, mode="native", root_text="x")
+    monitoring = Monitoring(rapl_machine(tmp_path), whoami=lambda: {}, mode="native", root_text="x",
+                            engine_thread=thread)
     try:
         asyncio.run(answer(monitoring, EngineClient(thread), job("DIE")))
         asyncio.run(answer(monitoring, EngineClient(thread), job("after")))
-        assert settled(monitoring) == (0, 0) and monitoring.ring.json_dict()["kept"] == 0
+        assert monitoring.flights() == (0, 0) and monitoring.ring.json_dict()["kept"] == 0
     finally:
         monitoring.close()
         thread.stop()

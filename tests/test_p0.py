@@ -301,7 +301,7 @@ def test_a_streamed_answer_passes_through_and_ends_with_the_receipt_before_done(
     assert '"delta":{"content":"Savante "}' in sse  # llama-server's events, unchanged
     events = [e for e in sse.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    assert events[-2].startswith('data: {"bankml_receipt": {')
+    assert events[-2].startswith('data: {"choices": [], "bankml_receipt": {')
     receipt = receipt_event(sse)
     assert receipt["response_sha256"] == sha(REPLY) == sha(stream_text(sse))
     assert receipt["request_sha256"] == sha(body)
