@@ -85,11 +85,6 @@ class Residency:
     def names(self) -> list[str]:
         return [self.name]
 
-    def resolve(self, requested: str | None) -> None:
-        """A /v1 request's `model`: with one model served and no registry, any name (or none) is that
-        model, as llama-server answers whatever a client names (tools/server: one model per server)."""
-        del requested
-
     # --- loading (on the engine thread) ----------------------------------------------------------
 
     def _load_on_thread(self, gated: GatedModel) -> Loaded:
