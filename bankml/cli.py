@@ -159,7 +159,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", metavar="N", type=_positive_int, help="the context size (4096)")
     p.add_argument("--config", metavar="NAME|PATH", help="a preset in configs/ (default, cpu, h200) or a TOML file")
     p.add_argument("--keep-alive", metavar="DUR", type=_checked(parse_keep_alive),
-                   help="--native: the default keep_alive of Ollama's API (a Go duration or seconds; 5m)")
+                   help="--native: the default keep_alive of Ollama's API (a Go duration or seconds; 5m); "
+                        "checked at start, used once that API exists")
     _add_rule_set(p, default=None)
     p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
     p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
