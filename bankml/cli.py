@@ -241,7 +241,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
         print(f"pinned {pin(args.file, fork_text)}")
     except BankmlError as e:
         print(f"refuse: {e}")
-        return EXIT_REFUSED  # the original's rule: `pin` exits 2 for every pin error, `cannot hash` included
+        return EXIT_REFUSED  # the Rust bankml's rule: `pin` exits 2 for every pin error, `cannot hash` included
     return EXIT_OK
 
 

@@ -121,7 +121,7 @@ class Codes:
 
 
 # The one table. OpenAI's and llama-server's statuses are llama-server's (it serves /v1 itself);
-# the exit codes are the original CLI's: 1 cannot read, 2 refused, 3 truncated.
+# the exit codes are the Rust bankml CLI's: 1 cannot read, 2 refused, 3 truncated.
 TABLE: dict[type[BankmlError], Codes] = {
     Refused: Codes(400, 400, 400, "invalid_request_error", EXIT_REFUSED),
     NotPinned: Codes(400, 400, 400, "invalid_request_error", EXIT_REFUSED),

@@ -1,6 +1,6 @@
-"""The pin: a file's sha256 against the one its FORK.json records (gate.md §3).
+"""The pin: a file's sha256 against the one its FORK.json records (the Rust bankml's FORK.json rules).
 
-`pinned_sha256` parses the FORK.json for real (the recommended port of the original's text scanner):
+`pinned_sha256` parses the FORK.json for real (where the Rust bankml scans the text):
 the first `files[]` entry whose `path` equals the file's base name, as given, no symlink resolved.
 Hashing reads large blocks into one reused buffer, so hashlib (OpenSSL, SHA-NI where the CPU has it)
 runs at memory speed with the GIL released.
@@ -57,7 +57,7 @@ def pinned_sha256(fork_text: str, name: str) -> str | None:
 
 def pin(path: str | os.PathLike, fork_text: str) -> str:
     """Hash `path` and compare with its pin; return the sha256. Raises NotPinned, Unreadable (cannot
-    hash) or Refused (another sha256), each with the original's message."""
+    hash) or Refused (another sha256), each with the Rust bankml's message."""
     name = os.path.basename(os.fspath(path))
     want = pinned_sha256(fork_text, name)
     if want is None:

@@ -46,7 +46,7 @@ class Verified:
         return {
             "verdict": "play",
             "guard": "play",
-            "engine": self.rule_set,  # the original's key: here "engine" is the guard's rule set
+            "engine": self.rule_set,  # the Rust bankml's key: here "engine" is the guard's rule set
             "model_sha256": self.model_sha256,
             "bankml": __version__,
             "arch": self.arch,
@@ -60,7 +60,7 @@ class Verified:
 
 def verify(path: str | os.PathLike, fork_text: str, rule_set: str = "mainline") -> Verified:
     """Guard the header, then pin the whole file. Raises Unreadable, Truncated or Refused (NotPinned),
-    with the original's messages."""
+    with the Rust bankml's messages."""
     try:
         report = guard_file(path, rule_set=rule_set)
     except OSError as e:

@@ -21,8 +21,8 @@ def bankml_info(state) -> dict[str, Any]:
     return {
         "verified": last.verified.as_dict() if last else None,
         "model": last.path if last else None,
-        "upstream": state.compat_listen,  # the original's key for the second address
-        "engine": last.backend if last else None,  # the original's key for the inference backend
+        "upstream": state.compat_listen,  # the Rust bankml's key for the second address
+        "engine": last.backend if last else None,  # the Rust bankml's key for the inference backend
         "hashed_at": last.hashed_at if last else 0,
         "resident": res.resident.name if res.resident else None,
         "models": res.names,

@@ -7,7 +7,7 @@
   `openai` client reads as the error's message;
 - `ApiError(status, message, type_, **extra)`: transitional, the same llama-server object with its
   status given by the caller, until every call site raises a typed class;
-- `PlainError`: a text/plain answer, as the original gives for unknown paths and the loopback rules;
+- `PlainError`: a text/plain answer, as the Rust bankml gives for unknown paths and the loopback rules;
 - Sanic's own exceptions (a head Sanic cannot parse, a request timeout, ...) keep their status and
   become text/plain. Anything else is an InternalError (500) with the exception's type and message: no
   traceback ever reaches a client; it goes to the log.
@@ -130,7 +130,7 @@ class GatewayErrorHandler(ErrorHandler):
         if isinstance(exception, GatewayError):
             return exception.response()
         if isinstance(exception, NotFound | MethodNotAllowed):
-            # paths (and methods) match exactly, as in the original: anything else is a 404
+            # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404
             return text_response(self.not_found_text, 404)
         if isinstance(exception, SanicException):
             return text_response(str(exception) or "error", exception.status_code)

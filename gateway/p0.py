@@ -2,7 +2,7 @@
 
 It vouches for the file, the path and the transcript, not for the arithmetic: the tokens come from
 llama-server. `run_p0(gated, options)`, after bankml/serve.py gated the file (steps 1-4: identity,
-verify, identity again, the upstream address), as the original's serve.rs starts:
+verify, identity again, the upstream address), as the Rust bankml's serve.rs starts:
 5. SIGTERM, SIGINT and SIGHUP stop a spawned llama-server, then exit 128 + the signal (spawn.py);
 6. with --spawn: refuse if anything answers on the upstream address, else launch llama-server on the
    canonical path of the verified file;
@@ -81,7 +81,7 @@ class P0State:
 
 
 def bankml_info(state: P0State) -> dict[str, Any]:
-    """The /bankml body, P0's keys in the original's order."""
+    """The /bankml body, P0's keys in the Rust bankml's order."""
     return {
         "verified": state.gated.verified.as_dict(),
         "model": state.gated.path,
@@ -104,7 +104,7 @@ def _processes(state: P0State) -> list[tuple[str, int]]:
 
 def p0_monitoring(state: P0State) -> Monitoring:
     """The shared monitor (usage, the ring of answers, Prometheus, the status page). llama-server
-    measures its own answers, so the ring stays empty in P0, as in the original."""
+    measures its own answers, so the ring stays empty in P0, as in the Rust bankml."""
     from gpu_monitor import Monitor
 
     monitor = Monitor(processes=lambda: _processes(state))

@@ -1,4 +1,4 @@
-"""P0 `POST /v1/chat/completions`, top to bottom: the original's per-request re-check, then its receipt.
+"""P0 `POST /v1/chat/completions`, top to bottom: the Rust bankml's per-request re-check, then its receipt.
 
 1. the body must be JSON (400); it is forwarded byte for byte, and its sha256 is the receipt's
    request_sha256;

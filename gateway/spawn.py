@@ -1,6 +1,6 @@
 """`--spawn BIN`: launch llama-server on the verified path, and make sure it never outlives bankml serve.
 
-The argv is the original's (bankML serve.rs, P0), with the canonical path of the file that was hashed.
+The argv is the Rust bankml's (serve.rs, P0), with the canonical path of the file that was hashed.
 Its stdout goes to /dev/null; its stderr is read by a thread that keeps the last lines, so a refusal
 can say why the engine died (and the pipe never fills, which would stall llama-server).
 
@@ -123,7 +123,7 @@ class LlamaServer:
 
 def install_stop_signals(llama_server: Callable[[], LlamaServer | None]) -> None:
     """SIGTERM, SIGINT and SIGHUP stop the spawned engine (if any), then exit 128 + the signal at once
-    (the original's start-up, step 5). Must run in the main thread; Sanic resets SIGINT and SIGTERM when it starts
+    (the Rust bankml's start-up, step 5). Must run in the main thread; Sanic resets SIGINT and SIGTERM when it starts
     serving, so the P0 app installs these again then."""
 
     def on_signal(signum, frame) -> None:
