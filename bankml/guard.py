@@ -11,8 +11,9 @@ built from it; and no size computation may leave u64.
 Never raises on any byte input. Parsing is iterative (arrays nest through an explicit stack that
 refuses at depth 64), so a 2,000,000-deep file is refused in microseconds.
 
-Rule set: only mainline exists here (the Bonsai/prism rules are out of scope); `engine="prism"` is
-accepted and judged as mainline, and every report says "mainline".
+Rule set: only mainline exists here (the Bonsai/prism rules are out of scope). `rule_set` is kept in
+the original's signatures, but every file is judged as mainline and every report says so; the CLI and
+the config refuse any other rule set by name before the guard runs.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Report:
     name: str | None = None
     tensors: int = 0
     types: dict[str, int] = field(default_factory=dict)  # name -> count, in type-id order
-    engine: str = "mainline"
+    rule_set: str = "mainline"
     reasons: list[str] = field(default_factory=list)
     kv_f16_bytes_per_token: int | None = None
     # Parsed facts for later steps (None/empty unless the header parsed).
@@ -142,7 +143,7 @@ class Report:
             "name": self.name,
             "tensors": self.tensors,
             "types": dict(self.types),
-            "engine": self.engine,
+            "engine": self.rule_set,  # the original's key for the rule set
             "reasons": list(self.reasons),
         }
         if self.kv_f16_bytes_per_token is not None:
@@ -462,16 +463,16 @@ def _short_q2_0(h: _Header, file_size: int | None) -> set[int]:
 
 def judge(
     buf: bytes | bytearray | memoryview,
-    engine: str = "mainline",
+    rule_set: str = "mainline",
     file_size: int | None = None,
     filename: str | None = None,
 ) -> Report:
     """Judge a header prefix without I/O, as the Rust bankml's `judge(b, engine, file_size, filename)`.
 
-    `engine` and `filename` feed only the prism/Bonsai rules, which are out of scope: every call is
+    `rule_set` and `filename` feed only the prism/Bonsai rules, which are out of scope: every call is
     judged as mainline.
     """
-    del engine, filename
+    del rule_set, filename
     mv = memoryview(buf)
     if mv.ndim != 1 or mv.format != "B" or not mv.c_contiguous:
         mv = memoryview(mv.tobytes())
@@ -529,7 +530,7 @@ def _header_too_large(n: int) -> str:
     return f"gguf header needs {n} bytes, over the {MAX_HEADER_BYTES}-byte bound"
 
 
-def guard_file(path: str | os.PathLike, engine: str = "mainline") -> Report:
+def guard_file(path: str | os.PathLike, rule_set: str = "mainline") -> Report:
     """Guard a file: judge a 32 MiB prefix, reading more (up to the file's size) on need_more.
 
     need_more survives only for a truncated file. Raises OSError; the caller says `cannot read …`.
@@ -542,7 +543,7 @@ def guard_file(path: str | os.PathLike, engine: str = "mainline") -> Report:
         while True:
             if len(buf) < want:
                 buf += f.read(want - len(buf))
-            report = judge(buf, engine, max(size, len(buf)), filename)
+            report = judge(buf, rule_set, max(size, len(buf)), filename)
             n = report.bytes_needed
             if report.verdict != "need_more" or not want < n <= size:
                 return report

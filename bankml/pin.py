@@ -1,6 +1,6 @@
-"""The pin: a file's sha256 against the one its FORK.json records (gate.md §3).
+"""The pin: a file's sha256 against the one its FORK.json records (the Rust bankml's FORK.json rules).
 
-`pinned_sha256` parses the FORK.json for real (the recommended port of the original's text scanner):
+`pinned_sha256` parses the FORK.json for real (where the Rust bankml scans the text):
 the first `files[]` entry whose `path` equals the file's base name, as given, no symlink resolved.
 Hashing reads large blocks into one reused buffer, so hashlib (OpenSSL, SHA-NI where the CPU has it)
 runs at memory speed with the GIL released.
@@ -16,13 +16,10 @@ import re
 from pathlib import Path
 
 from bankml import __version__
+from bankml.errors import NotPinned, Refused, Unreadable
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _BLOCK_BYTES = 1 << 20  # fits in L2: larger reads evict the data before it is hashed
-
-
-class PinError(Exception):
-    """The file is not the pinned one, or cannot be hashed. The message is the refusal reason."""
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -59,17 +56,18 @@ def pinned_sha256(fork_text: str, name: str) -> str | None:
 
 
 def pin(path: str | os.PathLike, fork_text: str) -> str:
-    """Hash `path` and compare with its pin; return the sha256, or raise PinError with the reason."""
+    """Hash `path` and compare with its pin; return the sha256. Raises NotPinned, Unreadable (cannot
+    hash) or Refused (another sha256), each with the Rust bankml's message."""
     name = os.path.basename(os.fspath(path))
     want = pinned_sha256(fork_text, name)
     if want is None:
-        raise PinError(f"{name} has no sha256 record in FORK.json: unpinned, refused")
+        raise NotPinned(f"{name} has no sha256 record in FORK.json: unpinned, refused")
     try:
         got = sha256_file(path)
     except OSError as e:
-        raise PinError(f"cannot hash {name}: {_os_error(e)}") from e
+        raise Unreadable(f"cannot hash {name}: {_os_error(e)}") from e
     if got != want:
-        raise PinError(f"{name} sha256 {got} != pinned {want}: refused")
+        raise Refused(f"{name} sha256 {got} != pinned {want}: refused")
     return got
 
 

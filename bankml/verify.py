@@ -1,8 +1,11 @@
-"""verify = guard, then pin (gate.md §1): the one gate before any model is served.
+"""verify = guard, then pin: the one gate before any model is served.
 
 The cheap check runs first: the guard reads only the header, with its own bounded parser. Only a
 file that plays is hashed whole and compared with its pin. `Verified` is what every later step
-(serve's startup, `GET /bankml`, each receipt) reports.
+(serve's startup, `GET /bankml`, each receipt) reports. `gate_model` is verify with the file's
+identity taken before and after, as `bankml serve` gates its model at start and the native gateway
+gates it again after the file changed: a file that changed while it was hashed is refused.
+Failures are bankml.errors classes: Unreadable, Truncated, Refused (NotPinned), FileChanged.
 """
 
 from __future__ import annotations
@@ -11,21 +14,9 @@ import os
 from dataclasses import dataclass, field
 
 from bankml import __version__, jstr
+from bankml.errors import FileChanged, Refused, Truncated, Unreadable
 from bankml.guard import guard_file
-from bankml.pin import PinError, pin
-
-
-class VerifyError(Exception):
-    """verify refused. The message is the reason; its first word sets the CLI's exit code."""
-
-    @property
-    def exit_code(self) -> int:
-        msg = str(self)
-        if msg.startswith("cannot"):
-            return 1
-        if msg.startswith("guard needs"):
-            return 3
-        return 2
+from bankml.pin import pin
 
 
 @dataclass(frozen=True)
@@ -49,13 +40,13 @@ class Verified:
     arch: str | None
     name: str | None
     types: dict[str, int] = field(default_factory=dict)
-    engine: str = "mainline"
+    rule_set: str = "mainline"
 
     def as_dict(self) -> dict:
         return {
             "verdict": "play",
             "guard": "play",
-            "engine": self.engine,
+            "engine": self.rule_set,  # the Rust bankml's key: here "engine" is the guard's rule set
             "model_sha256": self.model_sha256,
             "bankml": __version__,
             "arch": self.arch,
@@ -67,22 +58,48 @@ class Verified:
         return jstr.dumps(self.as_dict())
 
 
-def verify(path: str | os.PathLike, fork_text: str, engine: str = "mainline") -> Verified:
-    """Guard the header, then pin the whole file. Raises VerifyError with the original's messages."""
+def verify(path: str | os.PathLike, fork_text: str, rule_set: str = "mainline") -> Verified:
+    """Guard the header, then pin the whole file. Raises Unreadable, Truncated or Refused (NotPinned),
+    with the Rust bankml's messages."""
     try:
-        report = guard_file(path, engine=engine)
+        report = guard_file(path, rule_set=rule_set)
     except OSError as e:
-        raise VerifyError(f"cannot read {os.fspath(path)}: {e.strerror or e}") from e
+        raise Unreadable(f"cannot read {os.fspath(path)}: {e.strerror or e}") from e
     if report.verdict == "need_more":
-        raise VerifyError(f"guard needs {report.bytes_needed} header bytes: file truncated")
+        raise Truncated(f"guard needs {report.bytes_needed} header bytes: file truncated")
     if report.verdict != "play":
-        raise VerifyError("guard refused: " + "; ".join(report.reasons))
-    try:
-        sha = pin(path, fork_text)
-    except PinError as e:
-        raise VerifyError(str(e)) from e
+        raise Refused("guard refused: " + "; ".join(report.reasons))
+    sha = pin(path, fork_text)
     return Verified(model_sha256=sha, arch=report.arch, name=report.name, types=dict(report.types),
-                    engine=report.engine)
+                    rule_set=report.rule_set)
+
+
+@dataclass(frozen=True)
+class GatedModel:
+    """A model file that passed the gate."""
+
+    path: str  # canonical
+    verified: Verified
+    identity: FileIdentity
+    fork_text: str
+    given: str = ""  # the path as given: a re-verification pins its basename, as the first one did
+
+
+def gate_model(path: str, fork_text: str, rule_set: str = "mainline") -> GatedModel:
+    """Take the file's identity, verify it, canonicalise the path and take the identity again."""
+    try:
+        before = FileIdentity.of(path)
+    except OSError as e:
+        raise Unreadable(f"cannot read {path}: {e.strerror or e}") from e
+    verified = verify(path, fork_text, rule_set=rule_set)
+    canonical = os.path.realpath(path)
+    try:
+        after = FileIdentity.of(canonical)
+    except OSError as e:
+        raise Unreadable(f"cannot read {path}: {e.strerror or e}") from e
+    if after != before:
+        raise FileChanged(f"{path} changed while it was being hashed: refused")
+    return GatedModel(canonical, verified, after, fork_text, os.fspath(path))
 
 
 def refusal_json(reason: str) -> str:

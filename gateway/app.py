@@ -1,8 +1,8 @@
-"""The native gateway: `run_gateway` (called by bankml.serve once the gate has passed) and the app.
-Without --native, `run_gateway` hands over to gateway/p0.py (in front of llama-server).
+"""The native gateway: `run_gateway` (called by bankml/serve.py once the gate has passed) and the app.
 
-Start-up, after bankml.serve verified the file: start the engine thread, load and warm the model on
-it, bind both addresses (--listen, and --upstream for llama-server's clients), and only then serve.
+Start-up, after the gate: start the engine thread, load and warm the model on it, bind both
+addresses (--listen, and the compat listener --upstream names, for llama-server's clients), and
+only then serve.
 Any failure before serving prints `bankml serve: refuse: <why>` and returns 2 with no socket left
 bound. Sanic runs in one process (`Sanic.serve_single`): the engine lives here, and JAX must never be
 forked.
@@ -25,6 +25,8 @@ from typing import Any
 from sanic import Sanic
 
 from bankml import __version__
+from bankml.config import EngineConfig, ServeOptions
+from bankml.verify import GatedModel
 from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
@@ -59,7 +61,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
 }
 
 
-ROOT_TEXT = "bankml is running (Ollama's API at /api, native only)"  # serving.md §1, GET / for non-browsers
+ROOT_TEXT = "bankml is running (native)"  # GET / for clients that are not browsers; names no API it lacks
 
 
 def routes_text() -> str:
@@ -73,7 +75,7 @@ def routes_text() -> str:
 class GatewayState:
     residency: Residency
     client: EngineClient
-    upstream: str  # "host:port" of the engine address, as /bankml reports it
+    compat_listen: str  # "host:port" of the second listener (/bankml's "upstream")
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
 
 
@@ -86,12 +88,12 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int, compile_cache_dir: str | None) -> Loader:
+def native_loader(n_ctx: int, engine: EngineConfig) -> Loader:
     def load(path: str):
         from model.engine_thread import load_engine
 
-        return load_engine(path, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk,
-                           compile_cache_dir=compile_cache_dir)
+        return load_engine(path, n_ctx=n_ctx, n_slots=engine.n_slots, prefill_chunk=engine.max_prefill_bucket,
+                           compile_cache_dir=compile_cache_path(engine.compile_cache_dir))
 
     return load
 
@@ -117,30 +119,22 @@ def _refuse(why: str) -> int:
     return 2
 
 
-def run_gateway(gated, options, loader: Loader | None = None) -> int:
+def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None = None) -> int:
     """Load, warm, bind, serve until stopped. Returns the process exit code."""
-    if not options.native:  # P0: in front of llama-server (gateway/p0.py)
-        try:
-            from gateway.p0 import run_p0
-        except ImportError:
-            return _refuse("serving in front of llama-server (without --native) is not built yet; add --native")
-        return run_p0(gated, options)
     logging.basicConfig(level=logging.INFO, format="bankml serve: %(message)s", stream=sys.stderr)
     logging.getLogger("sanic.access").setLevel(logging.WARNING)
-    limits = Limits.from_config(options.config.get("limits", {}))
-    engine_cfg = options.config.get("engine", {})
-    n_slots = int(engine_cfg.get("n_slots", 1))
+    limits = options.config.limits
+    engine_cfg = options.config.engine
+    n_slots = engine_cfg.n_slots
     try:  # before the engine first touches jax: JAX's allocator reads it once
-        memory_fraction, fraction_note = device_budget.apply_memory_fraction(
-            float(engine_cfg.get("memory_fraction", 0.75)))
+        memory_fraction, fraction_note = device_budget.apply_memory_fraction(engine_cfg.memory_fraction)
     except ValueError as e:
         return _refuse(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)
     thread = EngineThread()
     client = EngineClient(thread)
-    loader = loader or native_loader(options.ctx, n_slots, int(engine_cfg.get("max_prefill_bucket", 512)),
-                                     compile_cache_path(str(engine_cfg.get("compile_cache_dir", ""))))
+    loader = loader or native_loader(options.ctx, engine_cfg)
     residency = Residency(gated, client, loader)
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
@@ -150,7 +144,7 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
         return _refuse(f"cannot load {gated.path}: {e}")
     limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
                                                     n_slots=n_slots, note=fraction_note))
-    listen, upstream = _address(*options.listen), _address(*options.upstream)
+    listen, compat_listen = _address(*options.listen), _address(*options.compat_listen)
     sockets: list[socket.socket] = []
     try:
         sockets.append(bind(*options.listen))
@@ -158,17 +152,17 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
         thread.stop()
         return _refuse(f"cannot listen on {listen}: {e.strerror or e}")
     try:
-        sockets.append(bind(*options.upstream))
+        sockets.append(bind(*options.compat_listen))
     except OSError as e:
         sockets[0].close()
         thread.stop()
-        return _refuse(f"cannot listen on the engine address {upstream}: {e.strerror or e} "
+        return _refuse(f"cannot listen on the engine address {compat_listen}: {e.strerror or e} "
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
-    upstream = _address(*sockets[1].getsockname()[:2])
-    state = GatewayState(residency, client, upstream)
+    compat_listen = _address(*sockets[1].getsockname()[:2])
+    state = GatewayState(residency, client, compat_listen)
     state.monitoring = native_monitoring(state)
-    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
+    shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:
         shutdown.add_listener(sock)
     app = create_app(state, limits, shutdown=shutdown)
@@ -177,9 +171,9 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
                     access_log=False)
     v = loaded.verified
     log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,
-             v.arch, v.name, loaded.compile_s, loaded.engine)
+             v.arch, v.name, loaded.compile_s, loaded.backend)
     log.info("bankml %s --native: models %s; listening on http://%s and, for llama-server's clients, "
-             "http://%s", __version__, ", ".join(residency.names), listen, upstream)
+             "http://%s", __version__, ", ".join(residency.names), listen, compat_listen)
     try:
         Sanic.serve_single(app)
     finally:

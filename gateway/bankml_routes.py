@@ -1,4 +1,4 @@
-"""bankML's own route `GET /bankml` (gate.md §5, native keys): what was verified, and what is resident.
+"""bankML's own route `GET /bankml` (the native keys): what was verified, and what is resident.
 
 It answers from the most recent verification, so a client (sAGI's models.py reads
 `verified.model_sha256` and `model`) can check what it is talking to before it asks anything. The
@@ -21,8 +21,8 @@ def bankml_info(state) -> dict[str, Any]:
     return {
         "verified": last.verified.as_dict() if last else None,
         "model": last.path if last else None,
-        "upstream": state.upstream,
-        "engine": last.engine if last else None,
+        "upstream": state.compat_listen,  # the Rust bankml's key for the second address
+        "engine": last.backend if last else None,  # the Rust bankml's key for the inference backend
         "hashed_at": last.hashed_at if last else 0,
         "resident": res.resident.name if res.resident else None,
         "models": res.names,

@@ -2,8 +2,8 @@
 
 1. read the body as llama-server reads it (chat_request.parse_chat, with the model's sampling
    defaults): its 400 (or 500) before any model work, then ours for what this engine cannot do;
-2. resolve `model` (404) and acquire the model: its file must still be the verified one, or 503 and
-   no receipt (residency.py);
+2. acquire the model (any `model` name is the one served): its file must still be the verified one,
+   or 503 and no receipt (residency.py);
 3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
 4. hand the request to the engine queue (engine_client.py) and read this request's outputs; the
    last one carries the engine thread's timeline and energy of the answer;
@@ -42,7 +42,6 @@ def engine_error(state, out: StepOutput) -> ApiError:
 async def chat_completions(request, state):
     body = request.body
     chat = parse_chat(body, state.residency.sampling_defaults)
-    state.residency.resolve(chat.model)
     loaded = await state.residency.acquire()
     prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
     if len(prompt) >= loaded.model.n_ctx:
@@ -83,7 +82,7 @@ async def _whole(state, loaded, engine_request: GenerateRequest, tally: Tally, c
     if entries:
         tally.logprobs(entries)
     tally.answered(last)
-    receipt = tally.receipt(loaded.engine, loaded.verified)
+    receipt = tally.receipt(loaded.backend, loaded.verified)
     return json_response(completion.body(text, last, receipt, entries))
 
 
@@ -119,7 +118,7 @@ async def _streamed(request, state, loaded, engine_request: GenerateRequest, tal
                     tally.logprobs(sent_entries)
                 answer.record(_stem(loaded), out)
                 await response.send(completion.final_chunks(out))
-                await response.send(receipt_event(tally.receipt(loaded.engine, loaded.verified)))
+                await response.send(receipt_event(tally.receipt(loaded.backend, loaded.verified)))
                 await response.send(DONE_EVENT)
                 await response.eof()
     return None  # the answer went out through `response`

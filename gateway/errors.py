@@ -1,16 +1,21 @@
-"""Errors, typed where they arise and rendered here, in the shape the client's API expects.
+"""Errors rendered here, in the shape the client's API expects; typed where they arise (bankml/errors.py).
 
-- `ApiError`: llama-server's error object, `{"error": {"code", "message", "type"}}` (plus any extra
-  keys, e.g. exceed_context_size_error's `n_prompt_tokens` and `n_ctx`), which the `openai` client
-  reads as the error's message. Used by /v1 and llama-server's routes.
-- `PlainError`: a text/plain answer, as the original gives for unknown paths and the loopback rules.
+- a `BankmlError` (Refused, ModelUnusable, ContextExceeded, ...) gets its status from bankml/errors.py's
+  table, per API, chosen by the request's path: `/api/*` is Ollama's (`{"error": "<message>"}`),
+  `/v1/*` OpenAI's and every other route llama-server's: `{"error": {"code", "message", "type"}}`
+  plus the error's extra keys (exceed_context_size_error's `n_prompt_tokens` and `n_ctx`), which the
+  `openai` client reads as the error's message;
+- `ApiError(status, message, type_, **extra)`: transitional, the same llama-server object with its
+  status given by the caller, until every call site raises a typed class;
+- `PlainError`: a text/plain answer, as the Rust bankml gives for unknown paths and the loopback rules;
 - Sanic's own exceptions (a head Sanic cannot parse, a request timeout, ...) keep their status and
-  become text/plain. Anything else is a 500 with the exception's type and message: no traceback ever
-  reaches a client; it goes to the log.
+  become text/plain. Anything else is an InternalError (500) with the exception's type and message: no
+  traceback ever reaches a client; it goes to the log.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 
 from sanic import HTTPResponse
@@ -18,12 +23,49 @@ from sanic.exceptions import MethodNotAllowed, NotFound, SanicException
 from sanic.handlers import ErrorHandler
 
 from bankml import jstr
+from bankml.errors import BankmlError, ContextExceeded, InternalError, codes
 
 log = logging.getLogger("bankml.gateway")
 
 # llama-server's error types (tools/server/utils.hpp, format_error_response)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
+
+
+class Api(enum.Enum):
+    OPENAI = "openai"  # /v1/*
+    LLAMA = "llama"  # llama-server's own routes, and bankml's
+    OLLAMA = "ollama"  # /api/*
+
+
+def api_of(path: str) -> Api:
+    if path.startswith("/api/"):
+        return Api.OLLAMA
+    if path.startswith("/v1/"):
+        return Api.OPENAI
+    return Api.LLAMA
+
+
+def status_of(error: BankmlError, api: Api = Api.OPENAI) -> int:
+    row = codes(error)
+    return {Api.OPENAI: row.openai, Api.LLAMA: row.llama, Api.OLLAMA: row.ollama}[api]
+
+
+def error_body(error: BankmlError, api: Api = Api.OPENAI) -> str:
+    """The JSON text of `error` in `api`'s shape."""
+    if api is Api.OLLAMA:
+        return jstr.dumps({"error": error.message})
+    return jstr.dumps({"error": {"code": status_of(error, api), "message": error.message, "type": codes(error).type,
+                                 **error.extra}})
+
+
+def render(error: BankmlError, api: Api = Api.OPENAI) -> HTTPResponse:
+    return json_response(error_body(error, api), status_of(error, api))
+
+
+def stream_error(error: BankmlError) -> bytes:
+    """The last event of an SSE stream that fails after its head went out (the status is sent by then)."""
+    return f"data: {error_body(error)}\n\n".encode()
 
 
 class GatewayError(Exception):
@@ -34,6 +76,9 @@ class GatewayError(Exception):
 
 
 class ApiError(GatewayError):
+    """Transitional: llama-server's error object with a status the caller picks. New code raises a
+    bankml.errors class instead; this stays, rendered as before, until every call site is typed."""
+
     def __init__(self, status: int, message: str, type_: str | None = None, **extra):
         super().__init__(message)
         self.status = status
@@ -58,10 +103,10 @@ class PlainError(GatewayError):
         return text_response(self.text, self.status)
 
 
-def exceed_context(n_prompt: int, n_ctx: int) -> ApiError:
-    """llama-server's refusal of a prompt that does not fit (serving.md §6), status 400."""
-    return ApiError(400, f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
-                         "try increasing it", "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=n_ctx)
+def exceed_context(n_prompt: int, n_ctx: int) -> ContextExceeded:
+    """llama-server's refusal of a prompt that does not fit (llama.cpp tools/server, ERROR_TYPE_EXCEED_CONTEXT_SIZE), status 400."""
+    return ContextExceeded(f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+                           "try increasing it", n_prompt_tokens=n_prompt, n_ctx=n_ctx)
 
 
 def json_response(text: str, status: int = 200) -> HTTPResponse:
@@ -80,13 +125,16 @@ class GatewayErrorHandler(ErrorHandler):
         self.not_found_text = not_found_text
 
     def default(self, request, exception: Exception) -> HTTPResponse:
+        if isinstance(exception, BankmlError):
+            return render(exception, api_of(getattr(request, "path", "")))
         if isinstance(exception, GatewayError):
             return exception.response()
         if isinstance(exception, NotFound | MethodNotAllowed):
-            # paths (and methods) match exactly, as in the original: anything else is a 404
+            # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404
             return text_response(self.not_found_text, 404)
         if isinstance(exception, SanicException):
             return text_response(str(exception) or "error", exception.status_code)
         log.error("unhandled %s on %s %s", type(exception).__name__, getattr(request, "method", "?"),
                   getattr(request, "path", "?"), exc_info=exception)
-        return ApiError(500, f"internal error: {type(exception).__name__}: {exception}").response()
+        return render(InternalError(f"internal error: {type(exception).__name__}: {exception}"),
+                      api_of(getattr(request, "path", "")))

@@ -1,7 +1,9 @@
 """llama-server's endpoints (serving.md §6), on both addresses, so its clients reach us unchanged.
 
 They name no model: they use the resident one, or verify and load the startup model. `/health` and
-`/v1/models` never load. Tokenizing and templating run off the event loop (a 16 MiB body would
+`/v1/models` never load; `/health` is 503 with the reason while the model is unusable (its file
+changed and does not verify again, or it failed to load) or the engine thread is gone, so a balancer
+routes away. Tokenizing and templating run off the event loop (a 16 MiB body would
 otherwise stall every other client).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from bankml import __version__, jstr
+from bankml.errors import EngineGone, ModelUnusable
 from gateway.errors import ApiError, json_response
 from gateway.openai_chat import parse_json_body, parse_messages
 
@@ -17,7 +20,10 @@ from gateway.openai_chat import parse_json_body, parse_messages
 async def health(request, state):
     failure = state.client.failure
     if failure is not None:  # the engine thread is gone: nothing here can answer
-        raise ApiError(503, f"the engine thread stopped: {failure}")
+        raise EngineGone(f"the engine thread stopped: {failure}")
+    unusable = state.residency.unusable
+    if unusable is not None:
+        raise ModelUnusable(unusable.message)
     return json_response('{"status": "ok"}')
 
 

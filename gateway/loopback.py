@@ -48,6 +48,7 @@ from sanic.http import Http, Stage
 from sanic.models.server_types import ConnInfo
 from sanic.server.protocols.http_protocol import HttpProtocol
 
+from bankml.config import LimitsConfig
 from gateway.shutdown import SHUTTING_DOWN, Shutdown, sse_error_event
 
 log = logging.getLogger("bankml.gateway")
@@ -70,29 +71,7 @@ BAD_LENGTH = "bad Content-Length"
 QUIET_MS = 50  # a drain with no announced length stops after this long without a byte
 
 
-@dataclass(frozen=True)
-class Limits:
-    max_connections: int = 32
-    max_body_bytes: int = 16 << 20
-    max_line_bytes: int = 16 << 10
-    max_header_lines: int = 100
-    read_timeout_s: float = 30.0
-    write_timeout_s: float = 120.0
-    drain_ms: int = 200
-    head_timeout_s: float = 10.0  # the whole head, however it trickles in
-    body_grace_s: float = 10.0  # then the body must keep up min_body_bytes_per_s on average
-    min_body_bytes_per_s: int = 1024
-
-    @classmethod
-    def from_config(cls, limits: dict) -> Limits:
-        """The [limits] table of configs/default.toml (keys this module does not use are ignored)."""
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in limits.items() if k in names})
-
-    @property
-    def max_head_bytes(self) -> int:
-        # the request line, every header line and the blank line, each at its longest
-        return (self.max_header_lines + 2) * self.max_line_bytes
+Limits = LimitsConfig  # the [limits] table is the loopback rules
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,19 @@
 """P0: bankml serve in front of llama.cpp's llama-server (`--spawn BIN` or `--upstream H:P`).
 
 It vouches for the file, the path and the transcript, not for the arithmetic: the tokens come from
-llama-server. `run_p0(gated, options)`, after bankml.serve verified the file (gate.md §1 steps 1-3):
-5. SIGTERM, SIGINT and SIGHUP stop a spawned engine, then exit 128 + the signal (spawn.py); once
+llama-server. `run_p0(gated, options)`, after bankml/serve.py gated the file (steps 1-4: identity,
+verify, identity again, the upstream address), as the Rust bankml's serve.rs starts:
+5. SIGTERM, SIGINT and SIGHUP stop a spawned llama-server, then exit 128 + the signal (spawn.py); once
    serving, the answers in flight are let finish first (shutdown.py, [serve] shutdown_grace_s),
    and a second signal meanwhile stops at once;
 6. with --spawn: refuse if anything answers on the upstream address, else launch llama-server on the
    canonical path of the verified file;
-7. poll /health every 500 ms, for 900 s with --spawn (a spawned engine that exits is noticed at once,
+7. poll /health every 500 ms, for 900 s with --spawn (a spawned llama-server that exits is noticed at once,
    its last stderr lines in the refusal) and 10 s without;
 8. /props model_path, canonicalised, must be the verified file;
-9. hashed_at = now; the engine string names the llama-server build /props reports;
+9. hashed_at = now; the backend string names the llama-server build /props reports;
 10. only now bind --listen, then serve. Any refusal prints `bankml serve: refuse: <why>`, stops a
-    spawned engine and returns 2, with no socket bound.
+    spawned llama-server and returns 2, with no socket bound.
 Routes: /bankml (what was verified), the monitor's (monitor_routes.py, shared with --native: usage of
 this process and the engine, an empty ring of answers, Prometheus, the status page), llama-server's
 /health, /props and /v1/models passed through, and /v1/chat/completions with receipts (p0_chat.py).
@@ -36,15 +37,17 @@ from typing import Any
 from sanic import HTTPResponse, Sanic
 
 from bankml import __version__, jstr
-from bankml.serve import GatedModel, Refusal, ServeOptions
+from bankml.config import ServeOptions
+from bankml.errors import BankmlError, StartFailed, UpstreamFailed
+from bankml.verify import GatedModel
 from gateway import monitor_routes
-from gateway.errors import ApiError, json_response
+from gateway.errors import json_response
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
 from gateway.p0_chat import chat_completions
 from gateway.sanic_app import bind, sanic_app
 from gateway.shutdown import Shutdown
-from gateway.spawn import STOP_SIGNALS, SpawnedEngine, engine_argv, exit_status_text, install_stop_signals
+from gateway.spawn import STOP_SIGNALS, LlamaServer, exit_status_text, install_stop_signals, llama_server_argv
 from gateway.upstream import (
     MAX_UPSTREAM_BODY_BYTES,
     Upstream,
@@ -61,8 +64,8 @@ SPAWN_HEALTH_S = 900
 UPSTREAM_HEALTH_S = 10
 
 
-def engine_name(build_info: str | None) -> str:
-    """What answers (gate.md §1 step 9), naming the build of the llama-server actually behind us."""
+def backend_name(build_info: str | None) -> str:
+    """What answers (the receipt's "engine"), naming the build of the llama-server actually behind us."""
     return f"llama.cpp {build_info + ' ' if build_info else ''}llama-server (loopback), behind bankml P0"
 
 
@@ -71,9 +74,9 @@ class P0State:
     gated: GatedModel
     upstream_at: tuple[str, int]
     upstream_address: str  # "host:port", as /bankml reports it
-    engine: str
+    backend: str  # the receipt's and /bankml's "engine": llama-server and its build
     hashed_at: int
-    spawned: SpawnedEngine | None
+    spawned: LlamaServer | None
     max_upstream_body_bytes: int = MAX_UPSTREAM_BODY_BYTES
     upstream: Upstream | None = None  # the pooled client, made in the serving loop
     monitoring: Monitoring | None = None
@@ -84,12 +87,12 @@ class P0State:
 
 
 def bankml_info(state: P0State) -> dict[str, Any]:
-    """The /bankml body, P0's keys in the original's order (gate.md §5)."""
+    """The /bankml body, P0's keys in the Rust bankml's order."""
     return {
         "verified": state.gated.verified.as_dict(),
         "model": state.gated.path,
         "upstream": state.upstream_address,
-        "engine": state.engine,
+        "engine": state.backend,
         "hashed_at": state.hashed_at,
     }
 
@@ -99,15 +102,15 @@ async def bankml(request, state: P0State):
 
 
 def _processes(state: P0State) -> list[tuple[str, int]]:
-    """Who /bankml/usage measures: this process, and the engine while it runs (pid 0: none)."""
-    engine = state.spawned
-    running = engine is not None and engine.returncode() is None
-    return [("bankml serve", os.getpid()), ("llama-server", engine.pid if running else 0)]
+    """Who /bankml/usage measures: this process, and llama-server while it runs (pid 0: none)."""
+    llama_server = state.spawned
+    running = llama_server is not None and llama_server.returncode() is None
+    return [("bankml serve", os.getpid()), ("llama-server", llama_server.pid if running else 0)]
 
 
 def p0_monitoring(state: P0State) -> Monitoring:
     """The shared monitor (usage, the ring of answers, Prometheus, the status page). llama-server
-    measures its own answers, so the ring stays empty in P0, as in the original."""
+    measures its own answers, so the ring stays empty in P0, as in the Rust bankml."""
     from gpu_monitor import Monitor
 
     monitor = Monitor(processes=lambda: _processes(state))
@@ -120,7 +123,7 @@ def _proxy(path: str) -> Callable[[Any, P0State], Awaitable[HTTPResponse]]:
         try:
             status, content_type, body = await state.upstream.get(path)
         except UpstreamError as e:
-            raise ApiError(502, str(e)) from None
+            raise UpstreamFailed(str(e)) from None
         return HTTPResponse(body, status=status, content_type=content_type)
 
     return proxy
@@ -189,68 +192,67 @@ def _refuse(why: str) -> int:
     return 2
 
 
-def _watch(engine: SpawnedEngine) -> None:
-    """Say so when the engine ends while we serve (answers are 502 from then on)."""
+def _watch(llama_server: LlamaServer) -> None:
+    """Say so when llama-server ends while we serve (answers are 502 from then on)."""
 
     def wait() -> None:
-        code = engine.proc.wait()
-        if engine.stopping:
+        code = llama_server.proc.wait()
+        if llama_server.stopping:
             return
         log.warning("llama-server (pid %d) exited (%s) while serving; answers are 502 from now on; "
-                    "its last lines:\n%s", engine.pid, exit_status_text(code), engine.last_output())
+                    "its last lines:\n%s", llama_server.pid, exit_status_text(code), llama_server.last_output())
 
     threading.Thread(target=wait, name="llama-server-watch", daemon=True).start()
 
 
-def start_engine(gated: GatedModel, options: ServeOptions, up: str, holder: list) -> str | None:
-    """Steps 6-8: launch (with --spawn) or find the engine; returns its build_info. Raises Refusal.
-    A launched engine is put in `holder` at once, so a signal or a refusal can stop it."""
+def start_llama_server(gated: GatedModel, options: ServeOptions, up: str, holder: list) -> str | None:
+    """Steps 6-8: launch (with --spawn) or find llama-server; returns its build_info. Raises StartFailed
+    or UpstreamFailed. A launched one is put in `holder` at once, so a signal or a refusal can stop it."""
     if options.spawn:
         if already_answers(up):
-            raise Refusal(f"{up} already answers: an engine is running there, and bankml would bind to it "
+            raise StartFailed(f"{up} already answers: an engine is running there, and bankml would bind to it "
                           "instead of the one it launches. Stop it, or use --upstream to check it by its /props")
         host, port = options.upstream
-        argv = engine_argv(options.spawn, gated.path, host, port, options.threads, options.ctx,
+        argv = llama_server_argv(options.spawn, gated.path, host, port, options.threads, options.ctx,
                            options.spec_ngram, options.slot_dir)
         try:
-            holder.append(SpawnedEngine(argv))
+            holder.append(LlamaServer(argv))
         except OSError as e:
-            raise Refusal(f"cannot launch {options.spawn}: {e.strerror or e}") from e
+            raise StartFailed(f"cannot launch {options.spawn}: {e.strerror or e}") from e
         log.info("launched %s (pid %d) on %s; waiting for /health", options.spawn, holder[0].pid, up)
     wait_healthy(up, SPAWN_HEALTH_S if options.spawn else UPSTREAM_HEALTH_S, holder[0] if holder else None)
     return served_model(up, gated.path).build_info
 
 
 def run_p0(gated: GatedModel, options: ServeOptions) -> int:
-    """Start the engine (or check it), bind --listen, serve until stopped. Returns the exit code."""
+    """Start llama-server (or check it), bind --listen, serve until stopped. Returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="bankml serve: %(message)s", stream=sys.stderr)
     logging.getLogger("sanic.access").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
-    limits_table = options.config.get("limits", {})
-    limits = Limits.from_config(limits_table)
+    limits = options.config.limits
     up = address(*options.upstream)
-    holder: list[SpawnedEngine] = []
+    holder: list[LlamaServer] = []
     install_stop_signals(lambda: holder[0] if holder else None)
     try:
-        build_info = start_engine(gated, options, up, holder)
+        build_info = start_llama_server(gated, options, up, holder)
         hashed_at = int(time.time())
         try:
             sock = bind(*options.listen)
         except OSError as e:
-            raise Refusal(f"cannot listen on {address(*options.listen)}: {e.strerror or e}") from e
-    except Refusal as e:
+            raise StartFailed(f"cannot listen on {address(*options.listen)}: {e.strerror or e}") from e
+    except BankmlError as e:
         if holder:
             holder[0].stop()
         return _refuse(str(e))
     except BaseException:
-        if holder:  # a bug must not leave the engine running until we exit
+        if holder:  # a bug must not leave llama-server running until we exit
             holder[0].stop()
         raise
     spawned = holder[0] if holder else None
-    state = P0State(gated, options.upstream, up, engine_name(build_info), hashed_at, spawned,
-                    int(limits_table.get("max_upstream_body_bytes", MAX_UPSTREAM_BODY_BYTES)))
+    state = P0State(gated, options.upstream, up, backend_name(build_info), hashed_at, spawned,
+                    options.config.limits.max_upstream_body_bytes)
     state.monitoring = p0_monitoring(state)
-    shutdown = Shutdown(float(options.config["serve"]["shutdown_grace_s"]))
+    shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     shutdown.add_listener(sock)
     app = create_p0_app(state, limits, shutdown=shutdown)
     app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
@@ -259,7 +261,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
         _watch(spawned)
     listen = address(*sock.getsockname()[:2])
     log.info("bankml serve %s: %s verified (sha256 %s), upstream %s serves it (%s); listening on http://%s",
-             __version__, gated.path, gated.verified.model_sha256, up, state.engine, listen)
+             __version__, gated.path, gated.verified.model_sha256, up, state.backend, listen)
     try:
         Sanic.serve_single(app)
     finally:

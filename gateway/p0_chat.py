@@ -1,4 +1,4 @@
-"""P0 `POST /v1/chat/completions`, top to bottom (gate.md §1 "Per-request re-check", §5 "Receipt").
+"""P0 `POST /v1/chat/completions`, top to bottom: the Rust bankml's per-request re-check, then its receipt.
 
 1. the body must be JSON (400); it is forwarded byte for byte, and its sha256 is the receipt's
    request_sha256;
@@ -26,9 +26,10 @@ from typing import Any
 from sanic import HTTPResponse
 
 from bankml import jstr
+from bankml.errors import FileChanged, ModelUnusable, UpstreamFailed
 from bankml.verify import FileIdentity
-from gateway.errors import ApiError
-from gateway.openai_chat import error_event, parse_json_body, receipt_event
+from gateway.errors import stream_error
+from gateway.openai_chat import parse_json_body, receipt_event
 from gateway.receipt import Tally
 from gateway.upstream import UpstreamError
 
@@ -38,19 +39,20 @@ DONE = b"data: [DONE]"
 
 
 async def still_verified(state) -> None:
-    """The file and the engine are still what was verified, or an ApiError (503, 502)."""
+    """The file and llama-server are still what was verified, or FileChanged, ModelUnusable (503),
+    UpstreamFailed (502)."""
     try:
         identity = FileIdentity.of(state.gated.path)
     except OSError:
         identity = None
     if identity != state.gated.identity:
-        raise ApiError(503, FILE_CHANGED)
+        raise FileChanged(FILE_CHANGED)
     try:
         served = await state.upstream.served_path()
     except UpstreamError as e:
-        raise ApiError(502, str(e)) from None
+        raise UpstreamFailed(str(e)) from None
     if served != state.gated.path:
-        raise ApiError(503, ENGINE_MOVED)
+        raise ModelUnusable(ENGINE_MOVED)
 
 
 def _first_choice(v: Any, key: str) -> str | None:
@@ -119,19 +121,19 @@ async def chat_completions(request, state):
                 return _whole(raw, content_type, tally, state)
             return await _streamed(request, r, tally, state)
     except UpstreamError as e:
-        raise ApiError(502, str(e)) from None
+        raise UpstreamFailed(str(e)) from None
 
 
 def _whole(raw: bytes, content_type: str, tally: Tally, state) -> HTTPResponse:
     try:
         v = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise ApiError(502, "upstream answer is not JSON") from None
+        raise UpstreamFailed("upstream answer is not JSON") from None
     if not isinstance(v, dict):
-        raise ApiError(502, "upstream answer is not a JSON object")
+        raise UpstreamFailed("upstream answer is not a JSON object")
     tally.sent(_first_choice(v, "message") or "")
     _count(tally, v)
-    return HTTPResponse(with_receipt(raw, tally.receipt(state.engine, state.gated.verified)),
+    return HTTPResponse(with_receipt(raw, tally.receipt(state.backend, state.gated.verified)),
                         status=200, content_type=content_type)
 
 
@@ -159,12 +161,12 @@ async def _streamed(request, r, tally: Tally, state) -> None:
             for line in batch:
                 s = line.rstrip()
                 if s == DONE:
-                    out.append(receipt_event(tally.receipt(state.engine, state.gated.verified)))
+                    out.append(receipt_event(tally.receipt(state.backend, state.gated.verified)))
                 elif s.startswith(b"data:"):
                     usage_seen = _account(tally, s[5:], usage_seen)
                 out.append(line)
             await response.send(b"".join(out))
     except UpstreamError as e:
-        await response.send(error_event(ApiError(502, str(e))))  # the stream ends here, with no receipt
+        await response.send(stream_error(UpstreamFailed(str(e))))  # the stream ends here, with no receipt
     await response.eof()
     return None  # the answer went out through request.respond(); Sanic logs an error if it is returned again

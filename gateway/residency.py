@@ -1,15 +1,18 @@
 """The served model's life behind the gate: resident, checked before each answer, verified again.
 
-serving.md §2 and gate.md §1 (native), with one model (the startup one; the registry of other pins is
-a later issue):
-- the startup model was gated by bankml.serve before anything else; it is loaded and warmed on the
-  engine thread before any socket is bound (`load_startup`);
+One model, the startup one (the registry of other pins is a later issue):
+- bankml serve gated it before anything else; it is loaded and warmed on the engine thread before
+  any socket is bound (`load_startup`);
 - before each /v1 answer (`acquire`) the file's identity (device, inode, size, mtime) is compared with
-  what was verified. A change answers 503 "<file> changed since bankml verified it: unloaded, and
-  refused; the next request verifies it again", drops the engine, and issues no receipt;
-- with no model resident, `acquire` runs the whole gate again (guard, then the sha256 pin against the
-  same FORK.json text): a refusal is a 400 "refuse: <why>", a file changing while it is hashed a 503,
-  an unreadable file or a failed load a 500. A file put back as it was verifies and serves again.
+  what was verified. A change drops the engine, issues no receipt, and makes the model unusable: a
+  503 "<file> changed since bankml verified it: unloaded, and refused; the next request verifies it
+  again" (ModelUnusable), which `/health` answers too, so a balancer routes away;
+- while nothing is resident, each `acquire` runs the whole gate again (guard, then the sha256 pin
+  against the same FORK.json text). Until the file verifies, every answer is that same 503 (why the
+  gate refused goes to the log); a file put back as it was verifies and serves again. A failed load
+  is a 500 (EngineFailed), and the model stays unusable until a load succeeds;
+- any `model` name is answered by the one model, as llama-server answers whatever name a client
+  sends (clients hard-code names); the answer's `model` field says what answered;
 - llama-server's routes use the resident model as it is, or acquire the startup one (`current`).
 An asyncio lock orders checks, verifications and loads; generations run outside it, on the engine
 thread, which also orders the unload and the load after whatever it is running.
@@ -27,10 +30,9 @@ from functools import partial
 from typing import Any
 
 from bankml import __version__
-from bankml.serve import GatedModel, Refusal, gate_model
-from bankml.verify import FileIdentity, Verified
+from bankml.errors import BankmlError, EngineFailed, ModelUnusable
+from bankml.verify import FileIdentity, GatedModel, Verified, gate_model
 from gateway.engine_client import EngineClient
-from gateway.errors import ApiError
 from gateway.native_model import NativeModel
 from gateway.request_fields import gguf_defaults
 from model.tokenizer_gguf import gguf_fields
@@ -40,18 +42,12 @@ log = logging.getLogger("bankml.gateway")
 # Loader: the verified canonical path -> (engine, a few words on the backend). Runs on the engine thread.
 Loader = Callable[[str], tuple[Any, str]]
 
-# serving.md §2: a name without one of these weight-type suffixes also names the pin, if only one has it
-_TYPE_SUFFIXES = ("-f16", "-bf16", "-f32", "-q1_0", "-q2_0_g64", "-q2_0", "-q8_0", "-q4_k_m", "-q4_0")
 
 
 def model_name(text: str) -> str:
     """A pin's name: the file stem, lower-cased, `.gguf` dropped (any path before it ignored)."""
     name = text.strip().rsplit("/", 1)[-1].lower()
     return name[:-5] if name.endswith(".gguf") else name
-
-
-def base_name(name: str) -> str:
-    return next((name[: -len(s)] for s in _TYPE_SUFFIXES if name.endswith(s)), name)
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ class Loaded:
     verified: Verified
     identity: FileIdentity
     hashed_at: int  # unix seconds, when it was loaded
-    engine: str  # the receipt's "engine": the inference backend, not the guard rule set
+    backend: str  # the receipt's "engine": the inference backend, not the guard's rule set
     model: NativeModel
     compile_s: float
 
@@ -79,6 +75,7 @@ class Residency:
         self.loader = loader
         self.resident: Loaded | None = None
         self.last: Loaded | None = None  # the most recent verification, for GET /bankml
+        self.unusable: BankmlError | None = None  # what every answer gets while nothing is resident
         self._lock = asyncio.Lock()
         # the request defaults (general.sampling.* from the verified header), read before any load so a
         # bad request is refused before any model work
@@ -87,15 +84,6 @@ class Residency:
     @property
     def names(self) -> list[str]:
         return [self.name]
-
-    def resolve(self, requested: str | None) -> None:
-        """A /v1 request's `model`: absent or empty is the startup model; otherwise it must name it."""
-        m = (requested or "").strip()
-        if not m:
-            return
-        n = model_name(m.removesuffix(":latest"))
-        if n != self.name and base_name(self.name) != n:
-            raise ApiError(404, f"model '{m}' not found: bankml serves pinned models only ({', '.join(self.names)})")
 
     # --- loading (on the engine thread) ----------------------------------------------------------
 
@@ -117,9 +105,6 @@ class Residency:
 
     # --- per request ---------------------------------------------------------------------------
 
-    def peek(self) -> Loaded | None:
-        return self.resident
-
     async def current(self) -> Loaded:
         """llama-server's routes: the resident model as it is, or the startup model acquired."""
         return self.resident or await self.acquire()
@@ -138,26 +123,29 @@ class Residency:
                 self.resident = None
                 self.client.thread.call(partial(self.client.thread.set_engine, None))  # after what is running
                 log.warning("%s changed since it was verified: unloaded", r.path)
-                raise ApiError(503, f"{r.file_name} changed since bankml verified it: unloaded, and refused; "
-                                    "the next request verifies it again")
+                self.unusable = ModelUnusable(f"{r.file_name} changed since bankml verified it: unloaded, and "
+                                              "refused; the next request verifies it again")
+                raise self._unusable()
             return await self._verify_and_load()
+
+    def _unusable(self) -> BankmlError:
+        """A fresh copy of the standing error (one raised instance would collect every request's traceback)."""
+        u = self.unusable
+        return type(u)(u.message, **u.extra)
 
     async def _verify_and_load(self) -> Loaded:
         try:
-            FileIdentity.of(self.given)
-        except OSError as e:
-            raise ApiError(500, f"{self.given}: {e.strerror or e}") from None
-        try:
-            gated = await asyncio.to_thread(gate_model, self.given, self.gated.fork_text, self.gated.verified.engine)
-        except Refusal as e:
-            why = str(e)
-            if why.endswith("changed while it was being hashed: refused"):
-                raise ApiError(503, why) from None
-            raise ApiError(400, f"refuse: {why}") from None
+            gated = await asyncio.to_thread(gate_model, self.given, self.gated.fork_text,
+                                            self.gated.verified.rule_set)
+        except BankmlError as e:  # Unreadable, Refused, FileChanged: still not the verified file
+            log.warning("%s does not verify: %s", self.given, e)
+            raise (self._unusable() if self.unusable else e) from None
         log.info("%s verified again (sha256 %s); loading it", gated.path, gated.verified.model_sha256)
         try:
             loaded = await self.client.call(partial(self._load_on_thread, gated))
         except Exception as e:
-            raise ApiError(500, f"cannot load {gated.path}: {e}") from None
+            self.unusable = EngineFailed(f"cannot load {gated.path}: {e}")
+            raise self._unusable() from None
         self.resident = self.last = loaded
+        self.unusable = None
         return loaded

@@ -44,7 +44,7 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
             await shutdown.stop()
 
     async def dispatch(request, path: str = ""):
-        # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404 (gate.md §5)
+        # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404, as in the Rust bankml
         handler = routes.get((request.method, request.raw_url.decode("latin-1")))
         if handler is None:
             raise NotFound()

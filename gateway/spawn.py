@@ -1,11 +1,11 @@
 """`--spawn BIN`: launch llama-server on the verified path, and make sure it never outlives bankml serve.
 
-The argv is the original's (gate.md §1 step 6), with the canonical path of the file that was hashed.
+The argv is the Rust bankml's (serve.rs, P0), with the canonical path of the file that was hashed.
 Its stdout goes to /dev/null; its stderr is read by a thread that keeps the last lines, so a refusal
 can say why the engine died (and the pipe never fills, which would stall llama-server).
 
 Three ways the engine is stopped:
-- bankml serve stops normally: `SpawnedEngine.stop()` (SIGTERM to its process group, then SIGKILL);
+- bankml serve stops normally: `LlamaServer.stop()` (SIGTERM to its process group, then SIGKILL);
 - SIGTERM, SIGINT or SIGHUP: `install_stop_signals` stops it, then exits 128 + the signal;
 - bankml serve dies without running any code (SIGKILL, a crash): the kernel sends the engine SIGKILL,
   because the child asked for it with prctl(PR_SET_PDEATHSIG) between fork and exec.
@@ -29,7 +29,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 TAIL_LINES = 20
 
 
-def engine_argv(binary: str, model_path: str, host: str, port: int, threads: int, ctx: int,
+def llama_server_argv(binary: str, model_path: str, host: str, port: int, threads: int, ctx: int,
                 spec_ngram: bool = False, slot_dir: str | None = None) -> list[str]:
     """llama-server's command line for the verified file (bankML serve.rs, P0)."""
     argv = [binary, "-m", model_path, "--host", host, "--port", str(port), "-t", str(threads), "-c", str(ctx),
@@ -64,7 +64,7 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-class SpawnedEngine:
+class LlamaServer:
     """A running llama-server child. Start it from the main thread: PDEATHSIG fires when the thread
     that forked the child ends, and only the main thread lives as long as the process."""
 
@@ -121,14 +121,14 @@ class SpawnedEngine:
             self.proc.send_signal(sig)
 
 
-def install_stop_signals(engine: Callable[[], SpawnedEngine | None]) -> None:
+def install_stop_signals(llama_server: Callable[[], LlamaServer | None]) -> None:
     """SIGTERM, SIGINT and SIGHUP stop the spawned engine (if any), then exit 128 + the signal at once
-    (gate.md §1 step 5). Must run in the main thread; Sanic resets SIGINT and SIGTERM when it starts
+    (the Rust bankml's start-up, step 5). Must run in the main thread; Sanic resets SIGINT and SIGTERM when it starts
     serving, so the P0 app installs these again then."""
 
     def on_signal(signum, frame) -> None:
         try:
-            e = engine()
+            e = llama_server()
             if e is not None:
                 try:
                     print(f"bankml serve: signal {signal.Signals(signum).name}: stopping llama-server "

@@ -1,4 +1,4 @@
-"""The llama-server behind P0: the start-up checks (gate.md §1 steps 6-8) and the one pooled client.
+"""The llama-server behind P0: the start-up checks (steps 6-8 of gateway/p0.py) and the one pooled client.
 
 Start-up runs before any event loop, so it is synchronous: `already_answers` (with --spawn nothing may
 answer on the upstream address yet), `wait_healthy` (poll /health every 500 ms; a spawned engine that
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from bankml.serve import Refusal
+from bankml.errors import Refused, StartFailed, UpstreamFailed
 from gateway.http1 import HttpError, Pool, Response, TooLarge
-from gateway.spawn import SpawnedEngine, exit_status_text
+from gateway.spawn import LlamaServer, exit_status_text
 
 MAX_UPSTREAM_BODY_BYTES = 64 << 20
 HEALTH_POLL_S = 0.5
@@ -36,7 +36,7 @@ ANSWER_TIMEOUT_S = 3600.0  # the original waits an hour for an answer's next byt
 HEADERS = {"Accept-Encoding": "identity"}
 
 
-class UpstreamError(Exception):
+class UpstreamError(UpstreamFailed):
     """llama-server could not be asked, or its answer is unusable: a 502 for the client."""
 
 
@@ -71,8 +71,8 @@ def already_answers(up: str) -> bool:
         return False
 
 
-def wait_healthy(up: str, limit_s: float, engine: SpawnedEngine | None = None) -> None:
-    """Until GET /health is 200, for at most `limit_s`. Raises Refusal."""
+def wait_healthy(up: str, limit_s: float, engine: LlamaServer | None = None) -> None:
+    """Until GET /health is 200, for at most `limit_s`. Raises StartFailed."""
     deadline = time.monotonic() + limit_s
     with httpx.Client(timeout=min(CHECK_TIMEOUT_S, 2.0), headers=HEADERS) as c:
         while True:
@@ -86,11 +86,11 @@ def wait_healthy(up: str, limit_s: float, engine: SpawnedEngine | None = None) -
                 if code is not None:
                     tail = engine.last_output()
                     said = f"; its last lines:\n{tail}" if tail else " (it wrote nothing on stderr)"
-                    raise Refusal(f"the engine exited ({exit_status_text(code)}) before it was healthy{said}")
+                    raise StartFailed(f"the engine exited ({exit_status_text(code)}) before it was healthy{said}")
             else:
                 time.sleep(HEALTH_POLL_S)
             if time.monotonic() > deadline:
-                raise Refusal(f"upstream {up} not healthy after {limit_s:g} s")
+                raise StartFailed(f"upstream {up} not healthy after {limit_s:g} s")
 
 
 def _props(text: bytes, status: int, up: str) -> dict:
@@ -104,22 +104,21 @@ def _props(text: bytes, status: int, up: str) -> dict:
 
 
 def served_model(up: str, verified_path: str) -> ServedModel:
-    """The engine's /props must name the verified file (both sides canonical). Raises Refusal."""
+    """llama-server's /props must name the verified file (both sides canonical). Raises UpstreamFailed,
+    or Refused when it serves another file."""
     try:
         with httpx.Client(timeout=CHECK_TIMEOUT_S, headers=HEADERS) as c:
             r = c.get(f"http://{up}/props")
         props = _props(r.content, r.status_code, up)
     except httpx.HTTPError as e:
-        raise Refusal(f"upstream {up}: {e}") from e
-    except UpstreamError as e:
-        raise Refusal(str(e)) from e
+        raise UpstreamFailed(f"upstream {up}: {e}") from e
     served = props["model_path"]
     try:
         canonical = os.path.realpath(served, strict=True)
     except OSError as e:
-        raise Refusal(f"upstream serves {served}, which is not readable here: {e.strerror or e}") from e
+        raise Refused(f"upstream serves {served}, which is not readable here: {e.strerror or e}") from e
     if canonical != verified_path:
-        raise Refusal(f"upstream {up} serves {canonical}, not the verified {verified_path}: refused")
+        raise Refused(f"upstream {up} serves {canonical}, not the verified {verified_path}: refused")
     build = props.get("build_info")
     return ServedModel(canonical, build if isinstance(build, str) else None)
 

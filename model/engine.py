@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bankml.errors import InvalidRequest
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
@@ -52,8 +53,9 @@ CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in t
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 
 
-class EngineError(ValueError):
-    """A request the engine cannot take. The message is the reason (the gateway renders it)."""
+class EngineError(InvalidRequest, ValueError):
+    """A request (or a configuration) the engine cannot take. The message is the reason, told to the
+    client as it is; any other exception in the engine is a failure, named by its type."""
 
 
 def _pow2_at_least(n: int, floor: int) -> int:

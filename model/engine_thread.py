@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from bankml.errors import InvalidRequest
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
 
 log = logging.getLogger(__name__)
@@ -307,9 +308,9 @@ def _error(request: GenerateRequest, why: str) -> StepOutput:
 
 
 def _why(e: BaseException) -> str:
-    # a ValueError is the engine refusing a request: its message is the reason; anything else is a
-    # failure, named by its type
-    if isinstance(e, ValueError) and str(e):
+    # an InvalidRequest (model.engine.EngineError is one) is the engine refusing a request: its message
+    # is the reason; anything else (a ValueError from numpy or jax included) is a failure, named by its type
+    if isinstance(e, InvalidRequest) and str(e):
         return str(e)
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 

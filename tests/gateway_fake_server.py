@@ -10,6 +10,7 @@ through the real tokenizer and host side (tests/replay_engine.py; MODEL must be 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -19,36 +20,47 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from fake_engine import fake_loader  # noqa: E402
 
-from bankml.cli import opt  # noqa: E402
-from bankml.serve import Refusal, gate_model, parse_serve_options  # noqa: E402
+from bankml.cli import add_serve_arguments, read_fork, serve_options_of  # noqa: E402
+from bankml.errors import BankmlError  # noqa: E402
+from bankml.verify import gate_model  # noqa: E402
 from gateway.app import run_gateway  # noqa: E402
 
 
-def _address(text: str | None, parsed: tuple[str, int]) -> tuple[str, int]:
-    if text and text.endswith(":0"):
-        return text[:-2].strip("[]"), 0
-    return parsed
+def _port_zero(text: str | None) -> tuple[str, int] | None:
+    """H:0 (the system picks; the log line names it) is for tests only, so the CLI refuses it."""
+    return (text[:-2].strip("[]"), 0) if text and text.endswith(":0") else None
 
 
 def main(argv: list[str]) -> int:
-    args = ["bankml", "serve", *argv, "--native"]
-    options = parse_serve_options([a if not a.endswith(":0") else "127.0.0.1:1" for a in args])
-    # port 0 (the system picks; the log line names it) is for tests only, so the CLI refuses it
-    options = dataclasses.replace(options, listen=_address(opt(args, "--listen"), options.listen),
-                                  upstream=_address(opt(args, "--upstream"), options.upstream))
-    options.config["limits"].update(json.loads(opt(args, "--limits") or "{}"))
+    fake = argparse.ArgumentParser(add_help=False)
+    fake.add_argument("--step-ms", type=float, default=2.0)
+    fake.add_argument("--limits", default="{}")
+    fake.add_argument("--fail-load", action="store_true")
+    fake.add_argument("--replay", action="store_true")
+    extra, rest = fake.parse_known_args(argv)
+    zero = {flag: _port_zero(value) for flag, value in zip(rest, rest[1:], strict=False)
+            if flag in ("--listen", "--upstream")}
+    rest = ["127.0.0.1:1" if i and rest[i - 1] in zero and zero[rest[i - 1]] else a for i, a in enumerate(rest)]
+    serve = argparse.ArgumentParser(prog="gateway_fake_server")
+    add_serve_arguments(serve)
+    args = serve.parse_args([*rest, "--native"])
+    listen, upstream = zero.get("--listen"), zero.get("--upstream")
     try:
-        gated = gate_model(argv[0], Path(opt(args, "--fork")).read_text())
-    except Refusal as e:
+        options = serve_options_of(args)
+        config = dataclasses.replace(options.config, limits=dataclasses.replace(options.config.limits,
+                                                                                **json.loads(extra.limits)))
+        options = dataclasses.replace(options, listen=listen or options.listen,
+                                      upstream=upstream or options.upstream, config=config)
+        gated = gate_model(args.file, read_fork(args.fork, "serve"))
+    except BankmlError as e:
         print(f"bankml serve: refuse: {e}", file=sys.stderr)
         return 2
-    step_s = float(opt(args, "--step-ms") or 2) / 1e3
-    loader = fake_loader(options.ctx, step_s)
-    if "--replay" in args:
+    loader = fake_loader(options.ctx, extra.step_ms / 1e3)
+    if extra.replay:
         from replay_engine import replay_loader
 
         loader = replay_loader(n_ctx=options.ctx)
-    if "--fail-load" in args:
+    if extra.fail_load:
         def loader(path: str):
             raise RuntimeError("the fake engine cannot load this")
     return run_gateway(gated, options, loader=loader)

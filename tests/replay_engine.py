@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from bankml.errors import InvalidRequest
 from model.completion import Completion
 from model.messages import SamplingParams, StepOutput
 from model.tokenizer import Tokenizer
@@ -39,10 +40,10 @@ class ReplayEngine:
                  request_id: str = "generate") -> Iterator[StepOutput]:
         params = params or SamplingParams()
         if len(prompt_tokens) >= self.n_ctx:
-            raise ValueError(f"the prompt has {len(prompt_tokens)} tokens, the context only {self.n_ctx}")
+            raise InvalidRequest(f"the prompt has {len(prompt_tokens)} tokens, the context only {self.n_ctx}")
         trace = self.traces.get(tuple(prompt_tokens))
         if trace is None:
-            raise ValueError("the replay engine has no recorded trace for this prompt")
+            raise InvalidRequest("the replay engine has no recorded trace for this prompt")
         done = Completion(self.tokenizer, params, n_prompt=len(prompt_tokens), n_ctx=self.n_ctx,
                           eog_ids=self.tokenizer.eog_ids)
         self._live += 1
@@ -54,7 +55,7 @@ class ReplayEngine:
                 yield out
                 if out.finish_reason is not None:
                     return
-            raise ValueError("the recorded trace ran out before the generation finished")
+            raise InvalidRequest("the recorded trace ran out before the generation finished")
         finally:
             self._live -= 1
 

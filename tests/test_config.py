@@ -1,59 +1,118 @@
-"""configs/: defaults, presets, unknown keys refused, CLI flags over them."""
+"""configs/: defaults, presets, unknown keys and bad values refused, CLI flags over them."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
-from bankml.config import ConfigError, load_config, parse_host_port
-from bankml.serve import Refusal, parse_serve_options
+from bankml.cli import build_parser, serve_options_of
+from bankml.config import (
+    Config,
+    EngineConfig,
+    LimitsConfig,
+    ServeConfig,
+    load_config,
+    parse_host_port,
+    parse_keep_alive,
+    serve_options,
+)
+from bankml.errors import ConfigInvalid
+
+
+def options(*argv: str):
+    return serve_options_of(build_parser().parse_args(["serve", *argv]))
 
 
 def test_defaults_are_the_originals():
     c = load_config()
-    assert c["serve"]["listen"] == "127.0.0.1:18093" and c["serve"]["upstream"] == "127.0.0.1:18092"
-    assert (c["serve"]["threads"], c["serve"]["ctx"], c["serve"]["keep_alive"]) == (3, 4096, "5m")
-    lim = c["limits"]
-    assert (lim["max_connections"], lim["max_body_bytes"], lim["max_line_bytes"], lim["max_header_lines"]) == (
+    assert c == load_config("default") == Config()
+    assert c.serve.listen == "127.0.0.1:18093" and c.serve.upstream == "127.0.0.1:18092"
+    assert (c.serve.threads, c.serve.ctx, c.serve.keep_alive, c.serve.rule_set) == (3, 4096, "5m", "mainline")
+    lim = c.limits
+    assert (lim.max_connections, lim.max_body_bytes, lim.max_line_bytes, lim.max_header_lines) == (
         32, 16 << 20, 16384, 100)
-    assert (lim["read_timeout_s"], lim["write_timeout_s"]) == (30, 120)
+    assert (lim.read_timeout_s, lim.write_timeout_s, lim.max_upstream_body_bytes) == (30, 120, 64 << 20)
+    assert (c.engine.n_slots, c.engine.memory_fraction, c.engine.max_prefill_bucket) == (1, 0.75, 512)
 
 
 def test_presets_overlay_and_unknown_keys_refuse(tmp_path: Path):
-    assert load_config("h200")["engine"]["n_slots"] == 8
-    assert load_config("cpu")["serve"]["listen"] == "127.0.0.1:18093"
+    h200 = load_config("h200")
+    assert (h200.engine.n_slots, h200.serve.ctx, h200.engine.max_prefill_bucket) == (8, 8192, 2048)
+    assert h200.limits == LimitsConfig() and isinstance(h200.engine, EngineConfig)
+    assert load_config("cpu").serve == ServeConfig()
     bad = tmp_path / "bad.toml"
-    bad.write_text('[serve]\nlisten = "127.0.0.1:1"\nlisen = "x"\n')
-    with pytest.raises(ConfigError, match="unknown key 'serve.lisen'"):
-        load_config(str(bad))
-    bad.write_text("[serve]\nctx = \"big\"\n")
-    with pytest.raises(ConfigError, match="'serve.ctx' must be int, not str"):
-        load_config(str(bad))
-    bad.write_text("[nonsense]\n")
-    with pytest.raises(ConfigError, match="unknown key 'nonsense'"):
-        load_config(str(bad))
-    with pytest.raises(ConfigError, match="no config preset or file 'nope'"):
+    for text, why in [
+        ('[serve]\nlisten = "127.0.0.1:1"\nlisen = "x"\n', "unknown key 'serve.lisen'"),
+        ('[serve]\nctx = "big"\n', "'serve.ctx' must be int, not str"),
+        ("[serve]\nctx = true\n", "'serve.ctx' must be int, not bool"),
+        ("[serve]\nctx = 0\n", "'serve.ctx' must be positive, not 0"),
+        ("[nonsense]\n", "unknown key 'nonsense'"),
+        ("serve = 3\n", "'serve' must be a table"),
+        ('[serve]\nengine = "mainline"\n', "unknown key 'serve.engine'"),  # renamed rule_set
+        ('[serve]\nrule_set = "prism"\n', "'serve.rule_set' 'prism' is not supported"),
+        ('[serve]\nlisten = "nowhere"\n', "'serve.listen' 'nowhere' is not HOST:PORT"),
+        ('[serve]\nkeep_alive = "5 minutes"\n', "'serve.keep_alive' '5 minutes' is not a duration"),
+        ("[engine]\nmemory_fraction = 1.5\n", "'engine.memory_fraction' must be in (0, 1]"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(ConfigInvalid) as e:
+            load_config(str(bad))
+        assert str(e.value).startswith(f"{bad}: ") and why in str(e.value), (text, str(e.value))
+    with pytest.raises(ConfigInvalid, match="no config preset or file 'nope'"):
         load_config("nope")
+    bad.write_text("[limits]\nread_timeout_s = 5\n")  # an int where a float is wanted is the same number
+    assert load_config(str(bad)).limits.read_timeout_s == 5.0
+
+
+def test_config_is_frozen():
+    with pytest.raises(AttributeError):
+        load_config().serve.ctx = 1  # type: ignore[misc]
 
 
 def test_flags_override_config(tmp_path: Path):
     conf = tmp_path / "mine.toml"
-    conf.write_text('[serve]\nlisten = "127.0.0.1:19000"\nctx = 2048\n')
-    o = parse_serve_options(["bankml", "serve", "--config", str(conf)])
-    assert o.listen == ("127.0.0.1", 19000) and o.ctx == 2048
-    o = parse_serve_options(["bankml", "serve", "--config", str(conf), "--listen", "localhost:19001", "--ctx", "512"])
-    assert o.listen == ("localhost", 19001) and o.ctx == 512
-    assert parse_serve_options(["bankml", "serve", "--threads", "x"]).threads == 3  # unparsable: the default
-    with pytest.raises(Refusal, match="--ctx"):
-        parse_serve_options(["bankml", "serve", "--ctx", "-4"])
+    conf.write_text('[serve]\nlisten = "127.0.0.1:19000"\nctx = 2048\nspec_ngram = true\n')
+    o = options("--config", str(conf))
+    assert o.listen == ("127.0.0.1", 19000) and o.ctx == 2048 and o.spec_ngram and o.threads == 3
+    o = options("--config", str(conf), "--listen", "localhost:19001", "--ctx", "512", "--threads", "2")
+    assert o.listen == ("localhost", 19001) and o.ctx == 512 and o.threads == 2
+    assert o.upstream == o.compat_listen == ("127.0.0.1", 18092) and o.rule_set == "mainline"
+
+
+def test_keep_alive_is_ollamas_duration():
+    assert options().keep_alive_s == 300.0
+    assert options("--keep-alive", "1h30m").keep_alive_s == 5400.0
+    assert options("--keep-alive", "90").keep_alive_s == 90.0
+    assert options("--keep-alive", "0").keep_alive_s == 0.0  # unload at once
+    assert options("--keep-alive", "-1").keep_alive_s == math.inf  # negative: forever
+    assert parse_keep_alive("-5m", "x") == math.inf and parse_keep_alive("1.5s", "x") == 1.5
+    for bad in ("5x", "m", "", "1h 5m", "nan", "inf"):
+        with pytest.raises(ConfigInvalid):
+            parse_keep_alive(bad, "--keep-alive")
+
+
+def test_what_native_cannot_honour_is_refused_by_name(tmp_path: Path):
+    with pytest.raises(ConfigInvalid, match="--native has no slot files yet"):
+        options("--native", "--slot-dir", str(tmp_path))
+    conf = tmp_path / "slots.toml"
+    conf.write_text(f'[serve]\nslot_dir = "{tmp_path}"\n')
+    with pytest.raises(ConfigInvalid, match="slot_dir: --native has no slot files yet"):
+        options("--native", "--config", str(conf))
+    assert options("--config", str(conf)).slot_dir == str(tmp_path)  # P0 hands it to llama-server
+    for flag in (["--spawn", "/bin/llama-server"], ["--threads", "4"], ["--spec-ngram"]):
+        with pytest.raises(ConfigInvalid, match=f"{flag[0]}: llama-server's flags"):
+            options("--native", *flag)
+    with pytest.raises(ConfigInvalid, match="only rule set is mainline"):
+        serve_options(Config(), rule_set="prism")
 
 
 def test_host_port():
     assert parse_host_port("http://127.0.0.1:8080/", "--upstream") == ("127.0.0.1", 8080)
     assert parse_host_port("[::1]:9", "--listen") == ("::1", 9)
     for bad in ("127.0.0.1", "host:port", ":80", "h:70000"):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigInvalid):
             parse_host_port(bad, "--listen")
 
 

@@ -153,8 +153,6 @@ def test_max_tokens_stops_with_length(server):
     ({"messages": HI, "mirostat": 2}, 400, "'mirostat' is not supported by bankml serve --native yet"),
     ({"messages": HI, "temperature": "hot"}, 400,
      "Field 'temperature': [json.exception.type_error.302] type must be number, but is string"),
-    ({"messages": HI, "model": "gpt-4"}, 404,
-     "model 'gpt-4' not found: bankml serves pinned models only (tiny-model.q8_0)"),
 ])
 def test_bad_requests_are_refused_in_llama_servers_error_shape(server, body, status, message):
     # every llama-server refusal is compared with its recording in tests/test_parity.py
@@ -162,6 +160,14 @@ def test_bad_requests_are_refused_in_llama_servers_error_shape(server, body, sta
     assert r.status_code == status
     assert r.json() == {"error": {"code": status, "message": message,
                                   "type": "invalid_request_error" if status == 400 else "not_found_error"}}
+
+
+def test_any_model_name_is_answered_by_the_one_model_served(server):
+    # as llama-server does with one model: clients hard-code names; the answer says what answered
+    for name in ("gpt-4", "tiny-model.q8_0", ""):
+        r = post(server, "/v1/chat/completions", {"messages": HI, "model": name})
+        assert r.status_code == 200 and r.json()["model"] == "Tiny-Model.Q8_0.gguf"
+        assert r.json()["choices"][0]["message"]["content"] == REPLY
 
 
 def test_a_body_that_is_not_json_gets_the_json_librarys_parse_error(server):
@@ -252,7 +258,7 @@ def test_a_model_file_changed_under_the_server_is_503_without_receipt_then_verif
             f.write(b"\0")
         for stream in (False, True):
             if stream:  # the first 503 unloaded it; change it again so the next one is a 503 too
-                assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 400
+                assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 503
                 model.write_bytes(original)
                 assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 200
                 with open(model, "ab") as f:
@@ -264,10 +270,10 @@ def test_a_model_file_changed_under_the_server_is_503_without_receipt_then_verif
             assert "bankml_receipt" not in r.text
         assert httpx.get(s.url("/bankml")).json()["resident"] is None
 
-        # the next request verifies it again: the changed file fails its pin ...
+        # the next request verifies it again: the changed file fails its pin, and the answer is the same 503
         r = post(s, "/v1/chat/completions", {"messages": HI})
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith("refuse: Tiny-Model.Q8_0.gguf sha256 ")
-        assert "!= pinned" in r.text and "bankml_receipt" not in r.text
+        assert r.status_code == 503 and r.json()["error"]["message"].startswith("Tiny-Model.Q8_0.gguf changed since")
+        assert "bankml_receipt" not in r.text
         # ... and the file put back passes, loads and answers with a receipt again
         time.sleep(1.1)
         model.write_bytes(original)

@@ -319,12 +319,12 @@ def test_unknown_type_ids_refuse_sorted_and_unique():
     plays(judged(tensors=[("a", [64], 42)]))
 
 
-@pytest.mark.parametrize("engine", ["mainline", "prism", "typo"])
-def test_fork_types_refuse_on_every_engine(engine):
+@pytest.mark.parametrize("rule_set", ["mainline", "prism", "typo"])
+def test_fork_types_refuse_on_every_engine(rule_set):
     b = c.gguf_bytes([ARCH], [("a", [128], 142)], offsets=[0], data_bytes=64)
-    r = judge(b, engine=engine, file_size=len(b))
+    r = judge(b, rule_set=rule_set, file_size=len(b))
     assert r.reasons == ["PQ2_0/PTQ1_0 are PrismML-fork types; mainline and llama.rn refuse them"]
-    assert r.engine == "mainline"
+    assert r.rule_set == "mainline"
     plays(judged(tensors=[("a", [128], 41)]))
 
 

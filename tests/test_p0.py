@@ -38,7 +38,7 @@ from p0_helpers import (
 
 from bankml.verify import FileIdentity
 from gateway.p0_chat import ENGINE_MOVED, FILE_CHANGED, token_counts, with_receipt
-from gateway.spawn import engine_argv
+from gateway.spawn import llama_server_argv
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,10 +86,10 @@ def mock_reset(spawned):
 
 
 def test_engine_argv_is_the_originals():
-    assert engine_argv("/bin/llama-server", "/m/x.gguf", "127.0.0.1", 18092, 3, 4096) == [
+    assert llama_server_argv("/bin/llama-server", "/m/x.gguf", "127.0.0.1", 18092, 3, 4096) == [
         "/bin/llama-server", "-m", "/m/x.gguf", "--host", "127.0.0.1", "--port", "18092", "-t", "3", "-c", "4096",
         "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
-    assert engine_argv("b", "m", "h", 1, 2, 3, spec_ngram=True, slot_dir="/s")[-4:] == [
+    assert llama_server_argv("b", "m", "h", 1, 2, 3, spec_ngram=True, slot_dir="/s")[-4:] == [
         "--spec-type", "ngram-simple", "--slot-save-path", "/s"]
 
 

@@ -12,8 +12,9 @@ import pytest
 from conftest import run_cli
 
 from bankml import __version__
-from bankml.pin import PinError, pin, pinned_sha256, sha256_file
-from bankml.verify import VerifyError, verify
+from bankml.errors import NotPinned, Refused, Truncated, Unreadable, exit_code
+from bankml.pin import pin, pinned_sha256, sha256_file
+from bankml.verify import verify
 
 
 def write_tiny_gguf(path: Path, name: str = "tiny") -> Path:
@@ -69,9 +70,9 @@ def test_pinned_sha256_rules():
 def test_pin_right_wrong_and_unpinned(model: Path):
     good = hashlib.sha256(model.read_bytes()).hexdigest()
     assert pin(model, fork_for(model).read_text()) == good
-    with pytest.raises(PinError, match=f"m.gguf sha256 {good} != pinned {'0' * 64}: refused"):
+    with pytest.raises(Refused, match=f"m.gguf sha256 {good} != pinned {'0' * 64}: refused"):
         pin(model, fork_for(model, "0" * 64).read_text())
-    with pytest.raises(PinError, match="m.gguf has no sha256 record in FORK.json: unpinned, refused"):
+    with pytest.raises(NotPinned, match="m.gguf has no sha256 record in FORK.json: unpinned, refused"):
         pin(model, fork_for(model, name="other.gguf").read_text())
 
 
@@ -83,17 +84,17 @@ def test_verify_runs_guard_then_pin(model: Path, tmp_path: Path):
     assert f'"bankml": "{__version__}", "arch": "llama", "name": "tiny", "types": {{"F32": 1}}}}' in text
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUX" + model.read_bytes()[4:])
-    with pytest.raises(VerifyError, match="^guard refused: not a GGUF file") as e:
+    with pytest.raises(Refused, match="^guard refused: not a GGUF file") as e:
         verify(bad, fork_for(bad).read_text())
-    assert e.value.exit_code == 2
+    assert exit_code(e.value) == 2
     short = tmp_path / "short.gguf"
     short.write_bytes(model.read_bytes()[:40])
-    with pytest.raises(VerifyError, match="^guard needs [0-9]+ header bytes: file truncated") as e:
+    with pytest.raises(Truncated, match="^guard needs [0-9]+ header bytes: file truncated") as e:
         verify(short, fork_for(short).read_text())
-    assert e.value.exit_code == 3
-    with pytest.raises(VerifyError, match="^cannot read ") as e:
+    assert exit_code(e.value) == 3
+    with pytest.raises(Unreadable, match="^cannot read ") as e:
         verify(tmp_path / "absent.gguf", "{}")
-    assert e.value.exit_code == 1
+    assert exit_code(e.value) == 1
 
 
 def test_verified_json_escapes_what_the_header_says(tmp_path: Path):

@@ -1,0 +1,156 @@
+"""Every error bankml reports, one class each, and the one table that maps them to what a client sees.
+
+An error is raised where it arises, as its class, with the message a user reads. What it becomes is
+decided here, by its class, never by its text: the HTTP status per API (OpenAI's `/v1`, llama-server's
+own routes, Ollama's `/api/*`) and the exit code of the `bankml` command. gateway/errors.py renders
+them in each API's shape; bankml/cli.py takes its exit codes from `exit_code`.
+
+Imports neither sanic nor jax: the gate, the CLI and the engine all raise these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# `bankml` exit codes (the CLI's usage text lists them)
+EXIT_OK = 0
+EXIT_UNREADABLE = 1  # a file cannot be read, or bad usage
+EXIT_REFUSED = 2
+EXIT_TRUNCATED = 3  # the guard needs more header bytes than the file has
+
+
+class BankmlError(Exception):
+    """A reason to refuse, told to a user. `extra` are keys the error object carries on the wire
+    (llama-server's exceed_context_size_error has `n_prompt_tokens` and `n_ctx`)."""
+
+    def __init__(self, message: str, **extra):
+        super().__init__(message)
+        self.message = message
+        self.extra = extra
+
+
+# --- the gate: guard, pin, identity ---------------------------------------------------------------
+
+
+class Refused(BankmlError):
+    """The gate refused the file (the guard's rules, or a sha256 other than the pinned one)."""
+
+
+class NotPinned(Refused):
+    """The FORK.json has no sha256 record for the file's name."""
+
+
+class Truncated(Refused):
+    """The guard needs more header bytes than the file has."""
+
+
+class Unreadable(BankmlError):
+    """A file (the model, its FORK.json) cannot be read or hashed."""
+
+
+class FileChanged(BankmlError):
+    """The file is not the one that was verified: it changed while it was hashed, or since."""
+
+
+class ModelUnusable(BankmlError):
+    """The served model cannot answer until its file verifies again (or the engine serves it again)."""
+
+
+class ModelNotFound(BankmlError):
+    """No pinned model has the requested name."""
+
+
+# --- a request --------------------------------------------------------------------------------------
+
+
+class InvalidRequest(BankmlError):
+    """The request itself is wrong: its body, a field, a value."""
+
+
+class ContextExceeded(InvalidRequest):
+    """The prompt does not fit in the context (llama-server's exceed_context_size_error)."""
+
+
+class NotSupported(InvalidRequest):
+    """A request asks for something bankml cannot honour yet; refused by name, never ignored."""
+
+
+# --- the backend ----------------------------------------------------------------------------------
+
+
+class EngineFailed(BankmlError):
+    """The engine failed on a request it had taken (or failed to load a model)."""
+
+
+class EngineGone(BankmlError):
+    """The engine thread has stopped: nothing in this process can answer any more."""
+
+
+class UpstreamFailed(BankmlError):
+    """P0: llama-server could not be asked, or its answer is unusable."""
+
+
+class InternalError(BankmlError):
+    """A bug: an exception nobody typed. Its type and message go to the client; the traceback to the log."""
+
+
+# --- start-up ---------------------------------------------------------------------------------------
+
+
+class UsageError(BankmlError):
+    """The command line is wrong: an unknown flag, a value missing or malformed."""
+
+
+class ConfigInvalid(BankmlError):
+    """A config preset or file (or a flag over it) has an unknown key or a wrong value; names both."""
+
+
+class StartFailed(BankmlError):
+    """`bankml serve` cannot start: an address in use, an engine that does not load or launch."""
+
+
+@dataclass(frozen=True)
+class Codes:
+    """What one error class becomes: its status per API, llama-server's error `type`, its exit code."""
+
+    openai: int  # /v1/*
+    llama: int  # llama-server's own routes (/health, /props, /tokenize, ...)
+    ollama: int  # /api/*: Ollama's statuses (docs.ollama.com/api/errors; 503 as server/routes.go's busy)
+    type: str  # llama-server's error type (tools/server/utils.hpp, format_error_response)
+    exit_code: int
+
+
+# The one table. OpenAI's and llama-server's statuses are llama-server's (it serves /v1 itself);
+# the exit codes are the Rust bankml CLI's: 1 cannot read, 2 refused, 3 truncated.
+TABLE: dict[type[BankmlError], Codes] = {
+    Refused: Codes(400, 400, 400, "invalid_request_error", EXIT_REFUSED),
+    NotPinned: Codes(400, 400, 400, "invalid_request_error", EXIT_REFUSED),
+    Truncated: Codes(400, 400, 400, "invalid_request_error", EXIT_TRUNCATED),
+    Unreadable: Codes(500, 500, 500, "server_error", EXIT_UNREADABLE),
+    FileChanged: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
+    ModelUnusable: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
+    ModelNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
+    InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),
+    NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
+    EngineGone: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
+    UpstreamFailed: Codes(502, 502, 502, "server_error", EXIT_REFUSED),
+    InternalError: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
+    UsageError: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    ConfigInvalid: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
+    StartFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
+}
+
+
+def codes(error: BankmlError | type[BankmlError]) -> Codes:
+    """The row of `error`'s class, or of its nearest listed base (a subclass a caller defines)."""
+    cls = error if isinstance(error, type) else type(error)
+    for c in cls.__mro__:
+        if c in TABLE:
+            return TABLE[c]
+    return TABLE[InternalError]
+
+
+def exit_code(error: BankmlError | type[BankmlError]) -> int:
+    return codes(error).exit_code
