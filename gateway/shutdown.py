@@ -13,15 +13,23 @@ import json
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.loopback import LoopbackProtocol
+from typing import Protocol
 
 log = logging.getLogger("bankml.gateway")
 
 SHUTTING_DOWN = "bankml serve is shutting down"
 ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200 ms) get to reach the wire
+
+
+class Connection(Protocol):
+    """What a stop needs from a connection (loopback.LoopbackProtocol has it)."""
+
+    @property
+    def in_flight(self) -> bool: ...
+
+    def refuse_head(self) -> None: ...
+
+    def end_for_shutdown(self) -> None: ...
 
 
 class Shutdown:
@@ -37,7 +45,7 @@ class Shutdown:
     def __init__(self, grace_s: float = 10.0):
         self.grace_s = grace_s
         self._listeners: list[tuple[int, int, tuple]] = []  # (fd, family, address) of each listening socket
-        self.open: set[LoopbackProtocol] = set()
+        self.open: set[Connection] = set()
         self._none_open = asyncio.Event()
         self._stopping: asyncio.Future | None = None
 
@@ -45,11 +53,11 @@ class Shutdown:
         """Call before the server takes the socket: the event loop may detach it from its object."""
         self._listeners.append((sock.fileno(), sock.family, sock.getsockname()))
 
-    def add(self, conn: LoopbackProtocol) -> None:
+    def add(self, conn: Connection) -> None:
         self.open.add(conn)
         self._none_open.clear()
 
-    def discard(self, conn: LoopbackProtocol) -> None:
+    def discard(self, conn: Connection) -> None:
         self.open.discard(conn)
         if not self.open:
             self._none_open.set()
