@@ -67,6 +67,11 @@ class InvalidRequest(BankmlError):
     """The request itself is wrong: its body, a field, a value."""
 
 
+class RequestFailed(BankmlError):
+    """A request llama-server answers with its 500 while reading it (a std::runtime_error in
+    tools/server, e.g. "Failed to parse messages"): kept as a 500 so its clients see what they expect."""
+
+
 class ContextExceeded(InvalidRequest):
     """The prompt does not fit in the context (llama-server's exceed_context_size_error)."""
 
@@ -131,6 +136,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     ModelUnusable: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     ModelNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
     InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
     ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),
     NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),

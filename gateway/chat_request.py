@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-from gateway.errors import ApiError
+from bankml.errors import InvalidRequest, NotSupported, RequestFailed
 from gateway.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
 from gateway.request_fields import N_PROBS_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -38,14 +38,14 @@ class ChatRequest:
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk of its own
 
 
-def bad(message: str) -> ApiError:
+def bad(message: str) -> InvalidRequest:
     """llama-server's std::invalid_argument: 400 invalid_request_error."""
-    return ApiError(400, message)
+    return InvalidRequest(message)
 
 
-def failed(message: str) -> ApiError:
+def failed(message: str) -> RequestFailed:
     """llama-server's other exceptions (std::runtime_error): 500 server_error."""
-    return ApiError(500, message)
+    return RequestFailed(message)
 
 
 def _reject_constant(name: str) -> Any:
@@ -64,7 +64,7 @@ def parse_body(body: bytes) -> Any:
     return value
 
 
-def _parse_error(line: int, column: int, why: str) -> ApiError:
+def _parse_error(line: int, column: int, why: str) -> InvalidRequest:
     return bad(f"[json.exception.parse_error.101] parse error at line {line}, column {column}: "
                f"syntax error while parsing value - {why}")
 
@@ -225,8 +225,8 @@ IGNORED = {
 }
 
 
-def _not_supported(name: str) -> ApiError:
-    return bad(f"'{name}' is not supported by bankml serve --native yet")
+def _not_supported(name: str) -> NotSupported:
+    return NotSupported(f"'{name}' is not supported by bankml serve --native yet")
 
 
 def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
@@ -264,17 +264,17 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
     for name, refused, why in checks:
         if refused:
             if why:
-                raise bad(f"'{name}' is not supported by bankml serve --native: {why}")
+                raise NotSupported(f"'{name}' is not supported by bankml serve --native: {why}")
             raise _not_supported(name)
     # The OpenAI layer turns json_object / json_schema into a schema; llama-server's field table never
     # sees the key, so it is looked for in the request itself.
     kind = json_value(json_value(request, "response_format", {}), "type", "", get_string)
     if kind in ("json_object", "json_schema"):
-        raise bad(f"'response_format' {kind} is not supported by bankml serve --native yet")
+        raise NotSupported(f"'response_format' {kind} is not supported by bankml serve --native yet")
     if any("tool_calls" in m for m in messages):
-        raise bad("'tool_calls' in messages is not supported by bankml serve --native yet")
+        raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
-        raise bad("a final assistant message (continuing it) is not supported by bankml serve --native yet")
+        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 
 
 def _empty_bias(v: Any) -> bool:

@@ -23,20 +23,21 @@ import asyncio
 import time
 import uuid
 
+from bankml.errors import EngineFailed, EngineGone
 from gateway.chat_request import parse_chat
-from gateway.errors import ApiError, exceed_context, json_response
+from gateway.errors import exceed_context, json_response, stream_error
 from gateway.monitoring import Answer
-from gateway.openai_chat import DONE_EVENT, Completion, error_event, logprob_entry, receipt_event
+from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
 from gateway.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
 
-def engine_error(state, out: StepOutput) -> ApiError:
+def engine_error(state, out: StepOutput) -> EngineFailed | EngineGone:
     """An engine failure: 503 when the engine thread is gone (nothing will answer), else 500; with the reason."""
     why = out.error or "the engine failed"
     if state.client.failure is not None:
-        return ApiError(503, why)
-    return ApiError(500, why)
+        return EngineGone(why)
+    return EngineFailed(why)
 
 
 async def chat_completions(request, state):
@@ -95,7 +96,7 @@ async def _streamed(request, state, loaded, engine_request: GenerateRequest, tal
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 if response is None:
                     raise engine_error(state, out)
-                await response.send(error_event(engine_error(state, out)))  # no receipt for a failed answer
+                await response.send(stream_error(engine_error(state, out)))  # no receipt for a failed answer
                 await response.eof()
                 return None  # the answer went out through `response`
             entry = [logprob_entry(out.logprobs)] if out.logprobs is not None else None

@@ -5,9 +5,6 @@
   `/v1/*` OpenAI's and every other route llama-server's: `{"error": {"code", "message", "type"}}`
   plus the error's extra keys (exceed_context_size_error's `n_prompt_tokens` and `n_ctx`), which the
   `openai` client reads as the error's message;
-- `ApiError(status, message, type_, **extra)`: transitional, the same llama-server object with its
-  status given by the caller, until every call site raises a typed class;
-- `PlainError`: a text/plain answer, as the Rust bankml gives for unknown paths and the loopback rules;
 - Sanic's own exceptions (a head Sanic cannot parse, a request timeout, ...) keep their status and
   become text/plain. Anything else is an InternalError (500) with the exception's type and message: no
   traceback ever reaches a client; it goes to the log.
@@ -26,11 +23,6 @@ from bankml import jstr
 from bankml.errors import BankmlError, ContextExceeded, InternalError, codes
 
 log = logging.getLogger("bankml.gateway")
-
-# llama-server's error types (tools/server/utils.hpp, format_error_response)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               500: "server_error", 501: "not_supported_error", 503: "unavailable_error"}
-
 
 class Api(enum.Enum):
     OPENAI = "openai"  # /v1/*
@@ -68,41 +60,6 @@ def stream_error(error: BankmlError) -> bytes:
     return f"data: {error_body(error)}\n\n".encode()
 
 
-class GatewayError(Exception):
-    status: int = 500
-
-    def response(self) -> HTTPResponse:
-        raise NotImplementedError
-
-
-class ApiError(GatewayError):
-    """Transitional: llama-server's error object with a status the caller picks. New code raises a
-    bankml.errors class instead; this stays, rendered as before, until every call site is typed."""
-
-    def __init__(self, status: int, message: str, type_: str | None = None, **extra):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_ or ERROR_TYPES.get(status, "server_error")
-        self.extra = extra
-
-    def body(self) -> str:
-        return jstr.dumps({"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}})
-
-    def response(self) -> HTTPResponse:
-        return json_response(self.body(), self.status)
-
-
-class PlainError(GatewayError):
-    def __init__(self, status: int, text: str):
-        super().__init__(text)
-        self.status = status
-        self.text = text
-
-    def response(self) -> HTTPResponse:
-        return text_response(self.text, self.status)
-
-
 def exceed_context(n_prompt: int, n_ctx: int) -> ContextExceeded:
     """llama-server's refusal of a prompt that does not fit (llama.cpp tools/server, ERROR_TYPE_EXCEED_CONTEXT_SIZE), status 400."""
     return ContextExceeded(f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
@@ -127,8 +84,6 @@ class GatewayErrorHandler(ErrorHandler):
     def default(self, request, exception: Exception) -> HTTPResponse:
         if isinstance(exception, BankmlError):
             return render(exception, api_of(getattr(request, "path", "")))
-        if isinstance(exception, GatewayError):
-            return exception.response()
         if isinstance(exception, NotFound | MethodNotAllowed):
             # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404
             return text_response(self.not_found_text, 404)

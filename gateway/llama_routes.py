@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 
 from bankml import __version__, jstr
-from bankml.errors import EngineGone, ModelUnusable
-from gateway.errors import ApiError, json_response
+from bankml.errors import EngineGone, InvalidRequest, ModelUnusable
+from gateway.errors import json_response
 from gateway.openai_chat import parse_json_body, parse_messages
 
 
@@ -52,7 +52,7 @@ async def models(request, state):
 async def tokenize(request, state):
     req = parse_json_body(request.body)
     if not isinstance(req, dict):
-        raise ApiError(400, "body is not a JSON object")
+        raise InvalidRequest("body is not a JSON object")
     content = req.get("content")
     text = content if isinstance(content, str) else ""
     add_special = req.get("add_special") is True  # llama-server: false unless asked
@@ -66,7 +66,7 @@ async def tokenize(request, state):
 async def apply_template(request, state):
     req = parse_json_body(request.body)
     if not isinstance(req, dict) or "messages" not in req:
-        raise ApiError(400, "no messages")
+        raise InvalidRequest("no messages")
     messages = parse_messages(req["messages"])
     loaded = await state.residency.current()
     prompt = await asyncio.to_thread(loaded.model.render, messages)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import ApiError
+from bankml.errors import ContextExceeded, InvalidRequest
 from gateway.request_fields import gguf_defaults
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
@@ -42,7 +42,7 @@ class NativeModel:
                                bos_token=tok.bos_token, eos_token=tok.eos_token,
                                add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos))
         except TemplateError as e:
-            raise ApiError(400, str(e)) from None
+            raise InvalidRequest(str(e)) from None
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
         """The text's tokens (llama-server's /tokenize: the whole text). A text the tokenizer cannot take
@@ -50,7 +50,7 @@ class NativeModel:
         try:
             ids = self.tokenizer.encode(text, add_special, parse_special, limit=limit)
         except InvalidText as e:
-            raise ApiError(400, str(e)) from None
+            raise InvalidRequest(str(e)) from None
         return [int(t) for t in ids]
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -63,9 +63,9 @@ class NativeModel:
         try:
             return self.tokenize(text, add_special=True, parse_special=True, limit=self.count_limit)
         except TokenLimitExceeded as e:
-            raise ApiError(400, f"request (at least {e.at_least} tokens) exceeds the available context size "
-                                f"({self.n_ctx} tokens), try increasing it", "exceed_context_size_error",
-                           n_prompt_tokens=e.at_least, n_ctx=self.n_ctx) from None
+            raise ContextExceeded(f"request (at least {e.at_least} tokens) exceeds the available context size "
+                                  f"({self.n_ctx} tokens), try increasing it",
+                                  n_prompt_tokens=e.at_least, n_ctx=self.n_ctx) from None
 
     @property
     def count_limit(self) -> int:

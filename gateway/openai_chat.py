@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bankml import __version__, jstr
-from gateway.errors import ApiError
+from bankml.errors import InvalidRequest
 from model.detokenizer import complete_utf8_len
 from model.messages import LogprobEntry, StepOutput
 
@@ -41,19 +41,19 @@ def parse_json_body(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ApiError(400, "body is not JSON") from None
+        raise InvalidRequest("body is not JSON") from None
 
 
 def parse_messages(value: Any) -> list[dict]:
     if not isinstance(value, list):
-        raise ApiError(400, "'messages' is required and must be an array")
+        raise InvalidRequest("'messages' is required and must be an array")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'")
+            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'")
         content = m.get("content")
         if content is not None and not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string (content parts are not supported yet)")
+            raise InvalidRequest(f"messages[{i}].content must be a string (content parts are not supported yet)")
         out.append({**m, "content": content or ""})
     return out
 
@@ -147,10 +147,6 @@ def _event(obj: dict) -> bytes:
 
 def receipt_event(receipt: dict) -> bytes:
     return _event({"choices": [], "bankml_receipt": receipt})
-
-
-def error_event(error: ApiError) -> bytes:
-    return _event({"error": {"code": error.status, "message": error.message, "type": error.type}})
 
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway.errors import ApiError
+from bankml.errors import InvalidRequest, NotSupported
 from gateway.json_values import (
     FLT_MAX,
     INT32,
@@ -67,8 +67,8 @@ def _dry_base(p: dict, v: Any) -> None:
     p["dry_base"] = x if x >= 1.0 else SamplingParams.dry_base
 
 
-def _over_limit(name: str, why: str) -> ApiError:
-    return ApiError(400, f"'{name}' is not supported by bankml serve --native: {why}")
+def _over_limit(name: str, why: str) -> NotSupported:
+    return NotSupported(f"'{name}' is not supported by bankml serve --native: {why}")
 
 
 def _breakers(p: dict, v: Any) -> None:
@@ -281,7 +281,7 @@ def _read(f: Field, name: str, v: Any, request: dict, p: dict) -> None:
         else:
             p[target] = _read_number(f, v)
     except JsonTypeError as e:
-        raise ApiError(400, f"Field '{name}': {e}") from None
+        raise InvalidRequest(f"Field '{name}': {e}") from None
 
 
 def read_fields(request: dict, defaults: SamplingParams) -> dict:
@@ -302,23 +302,23 @@ def _sampler_init(p: dict) -> None:
     """common_sampler_init's checks (common/sampling.cpp), in its order."""
     rp = p["repeat_penalty"]
     if not math.isfinite(rp) or rp <= 0.0 or not math.isfinite(f32(1.0 / rp)):
-        raise ApiError(400, "Failed to initialize samplers: penalty_repeat must be finite and greater than 0")
+        raise InvalidRequest("Failed to initialize samplers: penalty_repeat must be finite and greater than 0")
     if not math.isfinite(p["frequency_penalty"]):
-        raise ApiError(400, "Failed to initialize samplers: penalty_freq must be finite")
+        raise InvalidRequest("Failed to initialize samplers: penalty_freq must be finite")
     if not math.isfinite(p["presence_penalty"]):
-        raise ApiError(400, "Failed to initialize samplers: penalty_present must be finite")
+        raise InvalidRequest("Failed to initialize samplers: penalty_present must be finite")
     if "grammar" in p:
         from model.gbnf import GrammarError, GrammarTooDeep, parse_gbnf
 
         if len(p["grammar"]) > MAX_GRAMMAR_CHARS:  # the parse runs on the event loop, ~3 s per MB
-            raise ApiError(400, f"'grammar' is not supported by bankml serve --native: more than "
+            raise NotSupported(f"'grammar' is not supported by bankml serve --native: more than "
                                 f"{MAX_GRAMMAR_CHARS} characters")
         try:
             parse_gbnf(p["grammar"])
         except GrammarTooDeep as e:  # llama-server would parse it: ours is a refusal, by name
-            raise ApiError(400, f"'grammar' is not supported by bankml serve --native: {e}") from None
+            raise NotSupported(f"'grammar' is not supported by bankml serve --native: {e}") from None
         except GrammarError:
-            raise ApiError(400, "Failed to initialize samplers: failed to parse grammar") from None
+            raise InvalidRequest("Failed to initialize samplers: failed to parse grammar") from None
 
 
 # general.sampling.* (common/common.cpp, common_init_sampler_from_model): key -> (field, type)

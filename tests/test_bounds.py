@@ -18,8 +18,9 @@ import pytest
 from gateway_helpers import FakeServer, tiny_model
 from tiny_gguf import write_tiny_gguf
 
+from bankml.errors import BankmlError
 from gateway.chat_request import parse_chat
-from gateway.errors import ApiError
+from gateway.errors import error_body, status_of
 from gateway.native_model import NativeModel
 from gateway.request_fields import MAX_DRY_BREAKERS, MAX_STOP_BYTES, MAX_STOPS
 from model import tokenizer_bpe
@@ -81,9 +82,9 @@ def test_the_tokenizer_stops_once_the_tokens_pass_the_limit(smollm2, monkeypatch
 
 def test_the_chat_prompt_says_at_least_in_llama_servers_error(smollm2):
     model = NativeModel(smollm2, 2048, None, SamplingParams())
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(BankmlError) as e:
         model.prompt([{"role": "user", "content": "hi " * 1_000_000}])
-    body = json.loads(e.value.body())
+    body = json.loads(error_body(e.value))
     n = body["error"]["n_prompt_tokens"]
     assert n > 2 * 2048
     assert body == {"error": {"code": 400, "message": f"request (at least {n} tokens) exceeds the available context "
@@ -97,9 +98,9 @@ def test_the_chat_prompt_says_at_least_in_llama_servers_error(smollm2):
 def test_tokenize_of_one_giant_word_is_a_400_with_the_reason(smollm2, monkeypatch):
     merges = count_merges(monkeypatch, smollm2)
     model = NativeModel(smollm2, 2048, None, SamplingParams())
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(BankmlError) as e:
         model.tokenize("a" * (16 << 20), False, True)
-    assert e.value.status == 400
+    assert status_of(e.value) == 400
     assert e.value.message == ("the text holds a run of more than 65536 characters that the tokenizer cannot cut "
                                "without changing its tokens")
     assert merges == []
@@ -149,9 +150,9 @@ def test_the_word_cache_is_bounded_by_bytes(smollm2, monkeypatch):
 # --- 2. DRY's breakers and the stop strings ---------------------------------------------------------
 
 def refusal(fields: dict) -> str:
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(BankmlError) as e:
         parse_chat(json.dumps({"messages": HI, **fields}).encode())
-    assert e.value.status == 400
+    assert status_of(e.value) == 400
     return e.value.message
 
 

@@ -31,7 +31,7 @@ from bankml.errors import (
     exit_code,
 )
 from bankml.pin import fork_record
-from gateway.errors import Api, ApiError, GatewayErrorHandler, api_of, error_body, render, stream_error
+from gateway.errors import Api, GatewayErrorHandler, api_of, error_body, render, stream_error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,12 +80,6 @@ def test_context_exceeded_keeps_llama_servers_extra_keys_in_order():
 def test_a_stream_that_fails_ends_with_the_same_error_object():
     assert stream_error(UpstreamFailed("upstream gone")) == (
         b'data: {"error": {"code": 502, "message": "upstream gone", "type": "server_error"}}\n\n')
-
-
-def test_the_transitional_api_error_renders_as_before():
-    r = ApiError(400, "body is not JSON").response()
-    assert (r.status, json.loads(r.body)) == (400, {"error": {"code": 400, "message": "body is not JSON",
-                                                              "type": "invalid_request_error"}})
 
 
 def test_the_error_handler_picks_the_api_by_path():

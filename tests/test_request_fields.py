@@ -10,8 +10,8 @@ import re
 
 import pytest
 
+from bankml.errors import NotSupported
 from gateway.chat_request import parse_chat
-from gateway.errors import ApiError
 from gateway.json_values import f32, get_int
 from gateway.request_fields import gguf_defaults
 from model.gbnf import GrammarError, parse_gbnf
@@ -69,7 +69,7 @@ def test_defaults_come_from_the_gguf_over_llama_cpps():
     req = parse_chat(json.dumps({"messages": HI}).encode(), ok).params
     assert (req.temperature, req.top_k) == (f32(0.6), 20)
     assert parse_chat(json.dumps({"messages": HI, "top_k": 3}).encode(), ok).params.top_k == 3
-    with pytest.raises(ApiError, match="'samplers' is not supported"):
+    with pytest.raises(NotSupported, match="'samplers' is not supported"):
         parse_chat(json.dumps({"messages": HI}).encode(), d)  # a GGUF order this engine does not run
 
 
