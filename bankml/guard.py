@@ -12,7 +12,7 @@ Never raises on any byte input. Parsing is iterative (arrays nest through an exp
 refuses at depth 64), so a 2,000,000-deep file is refused in microseconds.
 
 Rule set: only mainline exists here (the Bonsai/prism rules are out of scope). `rule_set` is kept in
-the original's signatures, but every file is judged as mainline and every report says so; the CLI and
+the Rust bankml's signatures, but every file is judged as mainline and every report says so; the CLI and
 the config refuse any other rule set by name before the guard runs.
 """
 
@@ -35,7 +35,7 @@ PREFIX_BYTES = 32 << 20  # guard_file's first read: the header of any real model
 DEFAULT_ALIGNMENT = 32
 MAX_ARRAY_DEPTH = 64
 
-# Our bounds (spec README §5). Real headers are far inside them: a 262k-token vocabulary with its
+# Our bounds, beyond the Rust bankml's rules. Real headers are far inside them: a 262k-token vocabulary with its
 # scores and merges is under 20 MiB, n_kv is tens, n_tensors a few thousand.
 MAX_HEADER_BYTES = 256 << 20
 MAX_KEY_BYTES = 65535
@@ -143,7 +143,7 @@ class Report:
             "name": self.name,
             "tensors": self.tensors,
             "types": dict(self.types),
-            "engine": self.rule_set,  # the original's key for the rule set
+            "engine": self.rule_set,  # the Rust bankml's key for the rule set
             "reasons": list(self.reasons),
         }
         if self.kv_f16_bytes_per_token is not None:
@@ -375,7 +375,7 @@ def _in_all(first: str, n: int, unit: str = "tensors") -> str:
 
 
 def _layout_reasons(h: _Header, file_size: int | None, short_q2: set[int]) -> list[str]:
-    """Our rules (spec README §5): sized, whole blocks, aligned, inside the file, no overlap, no overflow.
+    """Our rules, beyond the Rust bankml's: sized, whole blocks, aligned, inside the file, no overlap, no overflow.
 
     One reason per rule, naming the first offender and the count, so a hostile header with a
     million bad tensors still gives a short answer.

@@ -12,7 +12,7 @@ model with a golden fixture (tests/fixtures/golden_*.json), on llama.cpp's own t
   each flip moves later activations by a rounding step, and the flips cascade through the layers:
   the result is as far from the un-nudged run as two engines' independent roundings are from each
   other. Matching llama.cpp's quantized logits to 0.05 nats therefore takes bit-identical arithmetic
-  (every sum in ggml's order), which an XLA engine does not have (spec README §1).
+  (every sum in ggml's order), which an XLA engine does not have.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""`GET /bankml/metrics`: one record per completed answer, in a ring of 256 (monitor.md §2).
+"""`GET /bankml/metrics`: one record per completed answer, in a ring of 256 (README, "Monitoring").
 
-The record is the original's, key for key and rounded as it rounds, then ours:
+The record is the Rust bankml's (metrics.rs), key for key and rounded as it rounds, then ours:
 - times: the engine thread's timeline of the answer (model/messages.py, `Timeline`). t0 is when the
   answer's turn on the engine came, so time queued is excluded. `prompt_ms` runs from t0 to the
   first token, `eval_ms` from it to the last, `ttft_ms` from t0 to the first token that released
@@ -11,7 +11,7 @@ The record is the original's, key for key and rounded as it rounds, then ours:
 - energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
   when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
   tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
-Added after the original keys: `package_energy_j` and `gpu_energy_j` (both counters, whichever the
+Added after its keys: `package_energy_j` and `gpu_energy_j` (both counters, whichever the
 engine runs on), `energy_overlapped` (another answer ran during this one: device counters cannot
 split it) and `unavailable`.
 
@@ -30,7 +30,7 @@ from gpu_monitor.readings import rounded
 from model.messages import StepOutput
 
 KEEP = 256
-SOURCE = "bankml metrics.rs (measured in the engine)"  # the original's constant, kept for its clients
+SOURCE = "bankml metrics.rs (measured in the engine)"  # the Rust bankml's constant, kept for its clients
 
 
 def _rate(n: int, ms: float) -> float | None:

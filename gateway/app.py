@@ -7,7 +7,7 @@ Any failure before serving prints `bankml serve: refuse: <why>` and returns 2 wi
 bound. Sanic runs in one process (`Sanic.serve_single`): the engine lives here, and JAX must never be
 forked.
 
-Routing is one table, matched on the exact request target, as the original matches it: a `?query`,
+Routing is one table, matched on the exact request target, as the Rust bankml matches it: a `?query`,
 a trailing slash or a percent-escape is another path, and any unknown (method, path) is a 404.
 Every connection first passes the loopback rules (loopback.py).
 """
@@ -52,7 +52,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): llama_routes.health,
     ("GET", "/props"): llama_routes.props,
     ("GET", "/v1/models"): llama_routes.models,
-    ("GET", "/"): monitor_routes.root,  # the status page for a browser, else serving.md's line
+    ("GET", "/"): monitor_routes.root,  # the status page for a browser, else one line
     ("HEAD", "/"): monitor_routes.root,
     ("HEAD", "/health"): llama_routes.health,  # a balancer's probe: GET's status and headers, no body
     ("POST", "/tokenize"): llama_routes.tokenize,

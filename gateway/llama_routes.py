@@ -1,4 +1,4 @@
-"""llama-server's endpoints (serving.md §6), on both addresses, so its clients reach us unchanged.
+"""llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
 
 They name no model: they use the resident one, or verify and load the startup model. `/health` and
 `/v1/models` never load; `/health` is 503 with the reason while the model is unusable (its file
@@ -59,7 +59,7 @@ async def tokenize(request, state):
     parse_special = req.get("parse_special") is not False  # llama-server: true unless refused
     loaded = await state.residency.current()
     ids = await asyncio.to_thread(loaded.model.tokenize, text, add_special, parse_special)
-    # the original writes the list compactly: {"tokens": [1,2,3]}
+    # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
     return json_response('{"tokens": [' + ",".join(map(str, ids)) + "]}")
 
 

@@ -1,6 +1,6 @@
-"""The loopback rules (serve.md, serving.md §0, gate.md §5), enforced before Sanic parses anything.
+"""The loopback rules (README, "Serving"), enforced before Sanic parses anything.
 
-Checks, in the original's order:
+Checks, in the Rust bankml's order (its serve.rs):
 1. while the head is read: a request or header line over 16 KiB (terminator included), or more than
    100 header lines -> 400; once it is in: a request line that is not three parts, a control byte in
    the request line or a header line (HTAB aside), or CONNECT -> 400;
@@ -23,10 +23,10 @@ Every connection registers with its server's `Shutdown` (shutdown.py): on SIGTER
 still coming in is answered 503, and the answers in flight get the grace period to finish.
 
 Why a protocol of our own rather than Sanic's limits: Sanic's REQUEST_MAX_HEADER_SIZE caps the whole
-head (and at most 16 KiB), not one line, and it answers 413 where the original answers 400; Sanic
+head (and at most 16 KiB), not one line, and it answers 413 where the Rust bankml answers 400; Sanic
 accepts chunked bodies; it has no connection limit and no write timeout; and its checks would run in
 another order. So `LoopbackProtocol` reads the head itself, line by line, and only a head that passes
-reaches Sanic, re-serialized with CRLF endings (Sanic's parser needs them; the original also accepts a
+reaches Sanic, re-serialized with CRLF endings (Sanic's parser needs them; the Rust bankml also accepts a
 bare LF). Sanic's own limits stay on as a second line: REQUEST_MAX_SIZE = 16 MiB, REQUEST_TIMEOUT
 (idle time while the body is read; Sanic restarts that clock at every byte) = 30 s, and its head limit
 is raised to what the line rules allow (101 lines of 16 KiB), which they already enforce.
@@ -90,7 +90,7 @@ class Head:
     body_start: bytes  # whatever followed the blank line in the same reads
 
     def header(self, name: str) -> str | None:
-        """The first value of `name` (lower case), as the original looks headers up."""
+        """The first value of `name` (lower case), as the Rust bankml looks headers up."""
         return next((v for k, v in self.headers if k == name), None)
 
     def serialized(self) -> bytes:

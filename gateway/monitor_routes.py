@@ -1,11 +1,11 @@
 """The monitor's routes, for the native gateway and P0 alike: each reads `state.monitoring`.
 
-- `GET /bankml/usage`: the usage snapshot (monitor.md §1 keys and order, then §4's), shared and cached;
+- `GET /bankml/usage`: the usage snapshot (the Rust bankml's keys and order, then ours), shared and cached;
 - `GET /bankml/metrics`: the ring of answers (answer_metrics.py);
 - `GET /metrics`: Prometheus text (prometheus.py);
 - `GET /bankml/status`: the status page's data: what /bankml says, the usage, the last answers;
 - `GET /` (and HEAD): the status page for a browser (its Accept names text/html), else one line of
-  text for API clients (serving.md §1).
+  text for API clients.
 The page is gateway/static/status.{html,css,js}, inlined into one document when first served: no
 build step, no second request, no URL outside this server.
 """

@@ -3,7 +3,7 @@
 Two kinds of series:
 - lifetime, pushed as answers complete (`observe_answer`): counters of answers, prompt, cached and
   completion tokens, and measured joules with the tokens they paid for; histograms of time to first token, request latency and
-  generation speed. Counters never fall (the /bankml/metrics ring's totals do: monitor.md §7.9).
+  generation speed. Counters never fall (the /bankml/metrics ring's totals do, as records age out).
 - sampled, read from one /bankml/usage snapshot at scrape time (`UsageCollector`): requests running
   and waiting, this process's memory and CPU, RAPL package energy, per-GPU busy, memory, power,
   temperature and energy, the limiter. A value the monitor could not read is left out, not written

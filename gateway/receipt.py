@@ -1,4 +1,4 @@
-"""Receipts (serve.md "The receipt", gate.md §5): what every /v1 answer carries as `bankml_receipt`.
+"""Receipts (README, "Serving"): what every /v1 answer carries as `bankml_receipt`.
 
 With one, a client can check that the text it shows is the text this gateway produced from the
 verified file, for this request: `response_sha256` is the sha256 of the answer text exactly as sent

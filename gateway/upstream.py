@@ -32,7 +32,7 @@ from gateway.spawn import LlamaServer, exit_status_text
 MAX_UPSTREAM_BODY_BYTES = 64 << 20
 HEALTH_POLL_S = 0.5
 CHECK_TIMEOUT_S = 10.0  # /props per answer, and start-up requests
-ANSWER_TIMEOUT_S = 3600.0  # the original waits an hour for an answer's next bytes: a long generation is not cut
+ANSWER_TIMEOUT_S = 3600.0  # the Rust bankml waits an hour for an answer's next bytes: a long generation is not cut
 HEADERS = {"Accept-Encoding": "identity"}
 
 

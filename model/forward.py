@@ -9,7 +9,7 @@ slot -- `window` is a static bucket the caller picks above the longest prefix --
 the new tokens, causally; all new K/V are scattered into the cache in one write at the end. The float
 rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
 exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
-llama.cpp's) before attention; we are not bit-identical to llama.cpp (spec README §1,
+llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
 tests/test_golden.py, bench/rounding.py).
 """
 

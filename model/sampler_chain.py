@@ -17,7 +17,7 @@ The candidates are the 128 best logits when every row's top_k is in 1..128 (the 
 the whole vocabulary sorted: the result is the same either way. Every parameter is an array, so a
 new value never recompiles. Random bits are JAX's, keyed by (seed, step) so a request draws the
 same tokens whatever shares its batch; XTC draws from its own stream (llama.cpp gives it its own
-mt19937). They are not llama.cpp's bits (spec README §1.2).
+mt19937). They are not llama.cpp's bits: the same seed repeats our draws, not llama.cpp's.
 """
 
 from __future__ import annotations

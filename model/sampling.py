@@ -18,7 +18,7 @@ N_PROBS_MAX = 20
 
 
 def unsupported_sampling(p: SamplingParams) -> str | None:
-    """The reason this sampler cannot honour `p`, or None. Refuse, never approximate (spec README)."""
+    """The reason this sampler cannot honour `p`, or None. Refuse, never approximate."""
     active = {
         "mirostat": p.mirostat != 0,
         "samplers": tuple(p.samplers) != DEFAULT_SAMPLERS,

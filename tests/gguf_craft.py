@@ -88,7 +88,7 @@ def array(elem_type: int, count: int, body: bytes = b"") -> bytes:
 
 
 def nested_array(depth: int) -> bytes:
-    """`depth` arrays of one array each, around an empty u32 array (the original's `nest(depth)`)."""
+    """`depth` arrays of one array each, around an empty u32 array (the Rust bankml's `nest(depth)`)."""
     return struct.pack("<IQ", ARRAY, 1) * depth + struct.pack("<IQ", U32, 0)
 
 

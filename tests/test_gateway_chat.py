@@ -126,7 +126,7 @@ def test_the_stream_on_the_wire(server):
     sent = "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:])
     assert receipt["bankml_receipt"]["response_sha256"] == sha(sent)
     assert receipt["bankml_receipt"]["request_sha256"] == sha(body)
-    # the original's JSON style: ", " and ": " separators, non-ASCII written raw
+    # the Rust bankml's JSON style: ", " and ": " separators, non-ASCII written raw
     assert '"delta": {"content": " Ça"}' in r.text and '"signed": false}' in r.text
 
 

@@ -1,4 +1,4 @@
-"""The loopback rules (serve.md's table), each over a raw socket against a running gateway.
+"""The loopback rules (the README's list), each over a raw socket against a running gateway.
 
 The gateway here runs over the fake engine (tests/fake_engine.py): the rules sit in front of
 everything, so the engine does not matter, and these tests stay fast.
@@ -163,7 +163,7 @@ def test_json_content_types_pass(server, content_type):
 
 
 def test_a_request_line_of_exactly_16_kib_passes_and_one_byte_more_is_400(server):
-    # the limit counts the line with its CRLF, as the original's take(16 KiB).read_line does
+    # the limit counts the line with its CRLF, as the Rust bankml's take(16 KiB).read_line does
     prefix = b"GET /"
     suffix = b" HTTP/1.1\r\n"
     fill = 16 * KIB - len(prefix) - len(suffix)
@@ -197,7 +197,7 @@ def test_100_header_lines_pass_and_101_are_400(server):
 
 
 def test_a_long_head_of_big_lines_reaches_the_routes(server):
-    # 100 lines of almost 16 KiB: far over Sanic's own 16 KiB head cap, within the original's rules
+    # 100 lines of almost 16 KiB: far over Sanic's own 16 KiB head cap, within the Rust bankml's rules
     lines = [b"Host: 127.0.0.1"] + [b"X-%02d: " % i + b"v" * 16000 for i in range(99)]
     raw = b"GET /health HTTP/1.1\r\n" + b"\r\n".join(lines) + b"\r\n\r\n"
     assert len(raw) > 1_500_000

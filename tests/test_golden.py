@@ -1,4 +1,4 @@
-"""Agreement with llama.cpp (spec README §1): greedy tokens and top-5 logprobs against llama-server.
+"""Agreement with llama.cpp (README, "How close to llama.cpp"): greedy tokens and top-5 logprobs against llama-server.
 
 Fixtures: tests/fixtures/record_golden.py runs a real llama-server on the model twice (see its
 docstring): on the quantized GGUF itself, and on the same weights dequantized to F32.
@@ -11,7 +11,7 @@ docstring): on the quantized GGUF itself, and on the same weights dequantized to
   each quantized matmul (model/actquant.py). On these small models that rounding alone moves logprobs
   by ~0.07 nats, and chaotically: under it, nudging the embeddings by 1e-6 moves our own logprobs by a
   median 0.09 nats (bench/rounding.py), so emulating the rounding exactly brings us no closer --
-  only bit-identical arithmetic would, which spec README §1 rules out. Teacher-forced on llama.cpp's
+  only bit-identical arithmetic would, which an XLA engine cannot have. Teacher-forced on llama.cpp's
   tokens, our top-1 must match on >= 95% of the non-tied positions, with median |dlogprob| <= 0.1
   and 90th percentile <= 0.35 nats. A wrong rope, norm or mask fails all three by far.
 """

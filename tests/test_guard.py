@@ -1,4 +1,4 @@
-"""The guard (gate.md §2 and spec README §5): every rule refuses its case and plays its near miss.
+"""The guard (the Rust bankml's rules, then ours): every rule refuses its case and plays its near miss.
 
 Files are built byte by byte (tests/gguf_craft.py) when a field must lie, and with gguf-py's
 GGUFWriter when they must be well formed; the real SmolLM2 and Gemma 3 files must play.
@@ -261,7 +261,7 @@ def test_a_header_past_256_mib_refuses():
     )
 
 
-# ---- post-parse rules of the original -----------------------------------------------------------
+# ---- post-parse rules of the Rust bankml -----------------------------------------------------------
 
 
 def _kv_keys(values, vtype=c.U32, arch="qwen3"):
@@ -341,7 +341,7 @@ def test_legacy_group_128_q2_0_refuses_and_group_64_plays():
     plays(judged(tensors=[("a", [n], 42), ("b", [n], 42)]))
 
 
-# ---- our rules (spec README §5) -----------------------------------------------------------------
+# ---- our rules -----------------------------------------------------------------
 
 
 def test_tensor_data_must_lie_inside_the_file():

@@ -52,7 +52,7 @@ def reading(j: float | None) -> EnergyReading:
     return EnergyReading(j, j, None, 3.0, False, {} if j is not None else {"energy_j": "RAPL unread"})
 
 
-# --- the record and the ring (monitor.md §5 "Metrics") ------------------------------------------------
+# --- the record and the ring (/bankml/metrics) ------------------------------------------------
 
 
 def test_record_rates_energy_and_key_order():

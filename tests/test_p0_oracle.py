@@ -30,7 +30,7 @@ def llama_server_bin() -> str:
 
 # ggml puts weights in AMX buffers where the CPU reports AMX, and AMX tile loads fault in some VMs
 # (ldtilecfg -> SIGSEGV, seen here); those buffers are "extra buffer types", which --no-repack turns
-# off. The environment carries it, so the gateway's argv stays the original's.
+# off. The environment carries it, so the gateway's argv stays the Rust bankml's.
 LLAMA_ENV = {"LLAMA_ARG_REPACK": "0"}
 
 

@@ -5,8 +5,8 @@ The gateway runs for real (gate, parse, route, writer, receipts) over tests/repl
 feeds llama-server's own greedy tokens through our host side (stops, UTF-8 hold-back, limits,
 logprob entries) with the real tokenizer. So every byte that does not come from the forward pass
 is compared: each refusal's status and body, each answer's content, finish_reason, usage and
-logprobs, streamed and not. Where our shapes differ from llama-server's on purpose (serving.md §6:
-usage in the final chunk without stream_options.include_usage), the test says so.
+logprobs, streamed and not. Where our shapes differ from llama-server's on purpose
+(usage in the final chunk without stream_options.include_usage), the test says so.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_a_stop_split_across_tokens_ends_where_llama_server_ends(engine):
 
 def test_cached_tokens_follow_llama_servers_slot(engine):
     """The recorded sequence after its first request (llama-server also has a RAM prompt cache across
-    slots, serving.md §4.2, which the first request of the recording hit)."""
+    slots, which the first request of the recording hit)."""
     seq = FIXTURE["cache"]
     list(engine.generate(TRACES[seq[1]["trace"]]["prompt_tokens"], SamplingParams(temperature=0.0, max_tokens=4)))
     for step in seq[2:]:
