@@ -242,12 +242,6 @@ class Tokenizer:
     def eos_token(self) -> str:
         return "" if self.eos_id is None else self.token_to_piece(self.eos_id, special=True).decode("utf-8", "replace")
 
-    def is_eog(self, token: int) -> bool:
-        return token in self.eog_ids
-
-    def is_control(self, token: int) -> bool:
-        return bool(self.attrs[token] & TokenAttr.CONTROL)
-
     # --- text -> tokens ----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
