@@ -87,8 +87,10 @@ def native_loader(n_ctx: int, n_slots: int, prefill_chunk: int, compile_cache_di
     def load(path: str):
         from model.engine_thread import load_engine
 
-        return load_engine(path, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk,
-                           compile_cache_dir=compile_cache_dir)
+        engine, backend = load_engine(path, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk,
+                                      compile_cache_dir=compile_cache_dir)
+        engine.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
+        return engine, backend
 
     return load
 
@@ -173,6 +175,8 @@ def run_gateway(gated, options, loader: Loader | None = None) -> int:
              v.arch, v.name, loaded.compile_s, loaded.engine)
     log.info("bankml %s --native: models %s; listening on http://%s and, for llama-server's clients, "
              "http://%s", __version__, ", ".join(residency.names), listen, upstream)
+    if hasattr(thread.engine, "compile_in_background"):  # the rest of the programs, now that we are bound
+        thread.engine.compile_in_background()
     try:
         Sanic.serve_single(app)
     finally:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bankml.progress import stderr_progress
 from kernels.dequant import check_supported, dequantize
 from model.actquant import ACT_KIND
 from model.config import Config, UnsupportedModel
@@ -139,10 +141,13 @@ def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None
         check_supported(int(t.tensor_type), t.name)
     if packed is None:
         packed = jax.default_backend() == "cpu"
-    return config, _build(config, tensors, packed, activations == "ggml")
+    # a progress line on a terminal; the caller's log line gives the time
+    with stderr_progress().step("bankml: loading weights", len(tensors), "tensors", final=False) as step:
+        return config, _build(config, tensors, packed, activations == "ggml", step.advance)
 
 
-def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool) -> Weights:
+def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool,
+           advance: Callable[[int], None] = lambda n: None) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
     present: dict[str, int] = {}  # Layer field -> in how many blocks
@@ -171,6 +176,7 @@ def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool) -> 
     for name in sorted(fields):
         blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
         stacked[name] = _stack(blocks, shapes[name], packed, ggml_rounding)
+        advance(len(blocks))
 
     d, v = config.n_embd, config.n_vocab
     out_w = tensors.get("output.weight")
