@@ -30,6 +30,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -287,36 +288,38 @@ class Engine:
         _return_freed_memory()
         return spent
 
-    def compile_in_background(self, threads: int = 1) -> threading.Thread | None:
-        """Compile what `warmup(essential=True)` left, on a daemon thread, while the engine serves, and
-        log when it is done (None: nothing was left). One thread by default: the compile runs beside
-        decoding on the same CPUs."""
+    def compile_in_background(self) -> threading.Thread | None:
+        """Compile what `warmup(essential=True)` left, one program at a time on a daemon thread, while
+        the engine serves (it runs beside decoding on the same CPUs), and log when it is done. None:
+        nothing was left. The thread holds the engine only while it compiles a program, so an engine
+        that is unloaded meanwhile is freed, and the rest of its programs are never compiled."""
         keys = self._background_order()
         if not keys:
             return None
+        engine_ref, stop = weakref.ref(self), self._stop_background
 
         def run() -> None:
             t0 = time.perf_counter()
-            try:
-                with ThreadPoolExecutor(max_workers=threads) as pool:
-                    list(pool.map(self._compile_unless_stopped, keys))
-            except Exception:
-                log.exception("the background compile failed; the programs it left compile on first use")
-                return
-            if self._stop_background.is_set():
-                return
-            log.info("compiled the other %d programs in the background in %.1f s: all %d ready", len(keys),
-                     time.perf_counter() - t0, len(self._compiled))
-            _return_freed_memory()
+            for key in keys:
+                engine = engine_ref()
+                if engine is None or stop.is_set():
+                    return
+                try:
+                    engine._program(*key)
+                except Exception:
+                    log.exception("the background compile failed; the programs it left compile on first use")
+                    return
+                del engine
+            engine = engine_ref()
+            if engine is not None:
+                log.info("compiled the other %d programs in the background in %.1f s: all %d ready", len(keys),
+                         time.perf_counter() - t0, len(engine._compiled))
+                _return_freed_memory()
 
         thread = threading.Thread(target=run, name="bankml-compile", daemon=True)
-        atexit.register(self._stop_background.set)  # no new compile starts while the process exits
+        atexit.register(stop.set)  # no new compile starts while the process exits
         thread.start()
         return thread
-
-    def _compile_unless_stopped(self, key: tuple[str, int, int]) -> None:
-        if not self._stop_background.is_set():
-            self._program(*key)
 
     # --- requests -----------------------------------------------------------------------------
 

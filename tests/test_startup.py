@@ -4,11 +4,13 @@ the essential programs compiled before binding and the rest in the background, w
 from __future__ import annotations
 
 import collections
+import gc
 import io
 import json
 import logging
 import os
 import threading
+import weakref
 import zipfile
 
 import httpx
@@ -227,6 +229,22 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
     assert set(lowered) == set(engine.program_keys()) - set(engine.essential_keys())
     assert max(lowered.values()) == 1
     assert engine.compile_in_background() is None  # nothing left
+
+
+def test_an_engine_unloaded_during_the_background_compile_is_freed(tiny_path, caplog):
+    """Its programs are not compiled for nothing, and its weights do not outlive it."""
+    engine = Engine.load(tiny_path, verified=True, n_ctx=512, warmup=False)
+    engine.warmup(essential=True)
+    with caplog.at_level(logging.INFO, logger="model.engine"):
+        background = engine.compile_in_background()
+        freed = weakref.ref(engine)
+        del engine  # what unloading does: the engine thread drops its only reference
+        gc.collect()
+        background.join(120)
+    assert not background.is_alive()
+    gc.collect()
+    assert freed() is None
+    assert not any("in the background" in r.getMessage() for r in caplog.records)  # it stopped early
 
 
 # --- `bankml serve` through a pipe ------------------------------------------------------------------
