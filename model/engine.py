@@ -14,19 +14,25 @@ last held (prompt and answer, less the last token, which is never decoded). A ne
 free slot sharing the longest prefix with it, and only the rest is prefilled; when the whole prompt
 matches, its last token is computed again for its logits. The prefix is reported as `cached_tokens`.
 
-Every compiled program is built by `warmup` (or on first use) from a fixed table of shapes, so no
-request, temperature or token ever triggers a compilation.
+Every compiled program comes from a fixed table of shapes (`program_keys`), so no temperature or token
+ever triggers a compilation. `warmup()` compiles the whole table; a server that wants to bind sooner
+compiles `warmup(essential=True)` (what a first short request needs), then the rest with
+`compile_in_background()` while it serves. A program needed before the background got to it is
+compiled on demand, once: the request waits for that program only, never for the others.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
 import secrets
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -34,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bankml.errors import InvalidRequest
+from bankml.progress import stderr_progress
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
@@ -51,6 +58,10 @@ PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in
 MIN_PREFILL_BUCKET = 16
 CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in this bucket
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
+# What a first request needs (`essential_keys`): a prompt of up to this many tokens from position 0,
+# then an answer while prompt and answer fit in ESSENTIAL_CELLS; larger shapes compile in the background
+ESSENTIAL_PROMPT = 256
+ESSENTIAL_CELLS = 512
 
 
 class EngineError(InvalidRequest, ValueError):
@@ -112,9 +123,15 @@ class Engine:
         self._history = jnp.zeros((n_slots, n_ctx), jnp.int32)  # each slot's tokens, for the penalties
         self._held: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose KV each slot holds
         self._compiled: dict[tuple, object] = {}
+        self._compiling: dict[tuple, Future] = {}  # programs being compiled, by whichever thread began
+        self._compile_lock = threading.Lock()
+        self._specs = _Specs.of(self)  # shapes only: a compile on another thread never reads device buffers
+        self._stop_background = threading.Event()
         self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
         self.compile_s = 0.0
+        # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
+        self.lazy_compile = False
 
     # --- construction -------------------------------------------------------------------------
 
@@ -175,31 +192,55 @@ class Engine:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows), "row" (a prompt into the token history).
+        t rows), "row" (a prompt into the token history). Safe from any thread: a program another
+        thread is compiling is waited for, never compiled twice.
         """
         key = (kind, t, window)
         program = self._compiled.get(key)
-        if program is None:
+        if program is not None:
+            return program
+        with self._compile_lock:
+            if key in self._compiled:
+                return self._compiled[key]
+            future = self._compiling.get(key)
+            mine = future is None
+            if mine:
+                future = self._compiling[key] = Future()
+        if not mine:
+            return future.result()
+        try:
             t0 = time.perf_counter()
-            b, i32 = self.n_slots, jax.ShapeDtypeStruct((), jnp.int32)
-            if kind == "prefill":
-                one = jax.ShapeDtypeStruct((1,), jnp.int32)
-                args = (jax.ShapeDtypeStruct((1, t), jnp.int32), i32, i32, one)
-                lowered = prefill.lower(self.weights, self.cache, *args, config=self.config, window=window)
-            elif kind == "decode":
-                args = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
-                lowered = decode_step.lower(self.weights, self.cache, *args, config=self.config, window=window)
-            elif kind == "row":
-                lowered = put_row.lower(self._history, i32, jax.ShapeDtypeStruct((self.n_ctx,), jnp.int32))
-            else:
-                sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), self._sa)
-                logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
-                vec = jax.ShapeDtypeStruct((t,), jnp.int32)
-                lowered = select.lower(logits, sa, self._history, vec, vec, vec, logits)
-            program = lowered.compile()
+            program = self._lower(kind, t, window).compile()
+            spent = time.perf_counter() - t0
+        except BaseException as e:
+            with self._compile_lock:
+                del self._compiling[key]  # a later call tries again
+            future.set_exception(e)
+            raise
+        with self._compile_lock:
             self._compiled[key] = program
-            self.compile_s += time.perf_counter() - t0
+            del self._compiling[key]
+            self.compile_s += spent
+        future.set_result(program)
         return program
+
+    def _lower(self, kind: str, t: int, window: int):
+        """Trace and lower one program from shapes alone (`_Specs`), never from the live arrays, which
+        the engine thread donates and replaces while a background compile runs."""
+        sp, b, i32 = self._specs, self.n_slots, jax.ShapeDtypeStruct((), jnp.int32)
+        if kind == "prefill":
+            one = jax.ShapeDtypeStruct((1,), jnp.int32)
+            args = (jax.ShapeDtypeStruct((1, t), jnp.int32), i32, i32, one)
+            return prefill.lower(sp.weights, sp.cache, *args, config=self.config, window=window)
+        if kind == "decode":
+            args = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
+            return decode_step.lower(sp.weights, sp.cache, *args, config=self.config, window=window)
+        if kind == "row":
+            return put_row.lower(sp.history, i32, jax.ShapeDtypeStruct((self.n_ctx,), jnp.int32))
+        sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
+        logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
+        vec = jax.ShapeDtypeStruct((t,), jnp.int32)
+        return select.lower(logits, sa, sp.history, vec, vec, vec, logits)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""
@@ -210,23 +251,77 @@ class Engine:
         keys += [("row", 0, 0), ("select", 1, 0)]
         return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
 
+    def essential_keys(self) -> list[tuple[str, int, int]]:
+        """The programs a first request needs when its prompt has at most ESSENTIAL_PROMPT tokens and
+        prompt and answer fit in ESSENTIAL_CELLS: the smallest prefill buckets from position 0, the
+        smallest decode windows, the samplers and the history row."""
+        keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
+        keys += [("decode", 1, w) for w in self.decode_window_buckets() if w <= ESSENTIAL_CELLS]
+        keys += [("row", 0, 0), ("select", 1, 0)]
+        return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+
+    def _background_order(self) -> list[tuple[str, int, int]]:
+        """The programs not compiled yet, the likeliest next needs first: small windows (a longer answer,
+        a second turn reusing its prefix) before large ones, then the larger chunks."""
+        rest = [k for k in self.program_keys() if k not in self._compiled]
+        return sorted(rest, key=lambda k: (k[2], k[0] != "decode", k[1]))
+
     def _chunk(self) -> int:
         """The bucket of a prompt chunk that starts after cached cells."""
         return self.prefill_buckets()[-1]
 
-    def warmup(self, threads: int | None = None) -> float:
-        """Compile every program this engine can use; returns the seconds spent (wall clock).
+    def warmup(self, threads: int | None = None, essential: bool | None = None) -> float:
+        """Compile every program this engine can use, or with `essential` (default: `lazy_compile`)
+        only `essential_keys`; returns the seconds spent (wall clock). A progress line shows on a
+        terminal.
 
         XLA compiles outside the GIL, so programs compile in parallel on `threads` (default: CPUs).
         """
         t0 = time.perf_counter()
-        keys = self.program_keys()
-        with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
-            list(pool.map(lambda key: self._program(*key), keys))
+        essential = self.lazy_compile if essential is None else essential
+        keys = [k for k in (self.essential_keys() if essential else self.program_keys()) if k not in self._compiled]
+        with (stderr_progress().step("bankml: compiling", len(keys), "programs", final=False) as step,
+              ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool):
+            for _ in pool.map(lambda key: self._program(*key), keys):
+                step.advance()
         spent = time.perf_counter() - t0
-        log.info("compiled %d programs in %.1f s", len(self._compiled), spent)
+        left = len(self.program_keys()) - len(self._compiled)
+        log.info("compiled %d programs in %.1f s%s", len(keys), spent, f" ({left} more compile later)" if left else "")
         _return_freed_memory()
         return spent
+
+    def compile_in_background(self) -> threading.Thread | None:
+        """Compile what `warmup(essential=True)` left, one program at a time on a daemon thread, while
+        the engine serves (it runs beside decoding on the same CPUs), and log when it is done. None:
+        nothing was left. The thread holds the engine only while it compiles a program, so an engine
+        that is unloaded meanwhile is freed, and the rest of its programs are never compiled."""
+        keys = self._background_order()
+        if not keys:
+            return None
+        engine_ref, stop = weakref.ref(self), self._stop_background
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            for key in keys:
+                engine = engine_ref()
+                if engine is None or stop.is_set():
+                    return
+                try:
+                    engine._program(*key)
+                except Exception:
+                    log.exception("the background compile failed; the programs it left compile on first use")
+                    return
+                del engine
+            engine = engine_ref()
+            if engine is not None:
+                log.info("compiled the other %d programs in the background in %.1f s: all %d ready", len(keys),
+                         time.perf_counter() - t0, len(engine._compiled))
+                _return_freed_memory()
+
+        thread = threading.Thread(target=run, name="bankml-compile", daemon=True)
+        atexit.register(stop.set)  # no new compile starts while the process exits
+        thread.start()
+        return thread
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -398,6 +493,24 @@ class Engine:
         logits, _ = forward(self.weights, scratch, padded, jnp.int32(0), np.array([n], np.int32),
                             config=self.config, window=0, all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+@dataclass(frozen=True)
+class _Specs:
+    """The shapes, dtypes and placements of the engine's arrays: what lowering a program needs."""
+
+    weights: Weights
+    cache: KVCache
+    history: jax.ShapeDtypeStruct
+    sa: ChainArrays
+
+    @classmethod
+    def of(cls, engine: Engine) -> _Specs:
+        def spec(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None),
+                                        weak_type=getattr(a, "weak_type", False))
+
+        return cls(*(jax.tree.map(spec, x) for x in (engine.weights, engine.cache, engine._history, engine._sa)))
 
 
 def _return_freed_memory() -> None:

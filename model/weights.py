@@ -3,9 +3,10 @@
 Precondition: the file has passed `bankml.verify.verify` (guard + pin). gguf-py's reader is not safe
 on a crafted header, so `load_weights` refuses to open a file unless the caller says it was verified.
 
-Flow: `GGUFReader` memory-maps the file -> `Config.from_gguf` reads the keys -> every tensor is
-checked against the names this architecture uses (anything unexpected is refused, never ignored) and
-against the supported types -> each tensor goes into its slot of a stacked [n_layer, ...] array:
+Flow: `Config.from_gguf` reads the keys (model/tokenizer_gguf.py's reader) -> gguf-py's `GGUFReader`
+memory-maps the file for its tensor table -> every tensor is checked against the names this
+architecture uses (anything unexpected is refused, never ignored) and against the supported types ->
+each tensor goes into its slot of a stacked [n_layer, ...] array:
 dequantized to f32 (kernels.dequant), or, with `packed` (the default on CPU), kept as int8 codes with
 per-group constants (model/packed.py) when every layer's tensor is a block-quantized type -- the same
 values, at a third of the bytes a decode step streams. Matrices keep GGUF's row layout, [out, in],
@@ -16,16 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bankml.progress import stderr_progress
 from kernels.dequant import check_supported, dequantize
 from model.actquant import ACT_KIND
 from model.config import Config, UnsupportedModel
 from model.packed import PACKABLE_TYPES, Packed, pack, type_group, unpack_affine
+from model.tokenizer_gguf import _KVReader, read_kv
 
 Array = jax.Array
 Matrix = Array | Packed  # f32 [out, in], or packed codes that expand to exactly the same values
@@ -130,19 +134,47 @@ def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None
         raise PermissionError("refusing to load weights from a file that was not verified (bankml.verify)")
     if activations not in ("f32", "ggml"):
         raise ValueError(f"activations must be 'f32' or 'ggml', got {activations!r}")
-    from gguf import GGUFReader  # gguf-py touches the file only after the guard and pin accepted it
-
-    reader = GGUFReader(os.fspath(path))
-    config = Config.from_gguf(reader.fields)
+    config = Config.from_gguf(_plain(read_kv(path, prefixes=())))
+    reader = _tensor_table(path)
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:  # refuse a bad type before spending time on the others
         check_supported(int(t.tensor_type), t.name)
     if packed is None:
         packed = jax.default_backend() == "cpu"
-    return config, _build(config, tensors, packed, activations == "ggml")
+    # a progress line on a terminal; the caller's log line gives the time
+    with stderr_progress().step("bankml: loading weights", len(tensors), "tensors", final=False) as step:
+        return config, _build(config, tensors, packed, activations == "ggml", step.advance)
 
 
-def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool) -> Weights:
+def _plain(kv: dict) -> dict:
+    """Numeric arrays as lists, as gguf-py's `contents()` gives them (Config reads per-layer lists)."""
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in kv.items()}
+
+
+def _tensor_table(path: str | os.PathLike):
+    """gguf-py's reader for the tensor table alone. Its parse of the key/value section builds a numpy
+    view per element of every array (7 of SmolLM2's 8 s of loading, tens of seconds on a 262k
+    vocabulary); model/tokenizer_gguf.py's reader only walks that section to where the tensors begin,
+    and hands over the one key gguf-py itself reads there, `general.alignment`."""
+    from gguf import GGUFReader, GGUFValueType
+    from gguf.gguf_reader import ReaderField
+
+    class TensorTable(GGUFReader):  # gguf-py touches the file only after the guard and pin accepted it
+        def _build_fields(self, offs: int, count: int) -> int:
+            kv = _KVReader(memoryview(self.data))
+            alignment = kv.read(("general.alignment",)).get("general.alignment")
+            if alignment is not None:
+                if isinstance(alignment, bool) or not isinstance(alignment, int) or not 0 < alignment < 1 << 32:
+                    raise UnsupportedModel(f"general.alignment {alignment!r} is not a 32-bit unsigned integer")
+                self._push_field(ReaderField(offs, "general.alignment", [np.array([alignment], np.uint32)], [0],
+                                             [GGUFValueType.UINT32]), skip_sum=True)
+            return kv.o
+
+    return TensorTable(os.fspath(path))
+
+
+def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool,
+           advance: Callable[[int], None] = lambda n: None) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
     present: dict[str, int] = {}  # Layer field -> in how many blocks
@@ -171,6 +203,7 @@ def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool) -> 
     for name in sorted(fields):
         blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
         stacked[name] = _stack(blocks, shapes[name], packed, ggml_rounding)
+        advance(len(blocks))
 
     d, v = config.n_embd, config.n_vocab
     out_w = tensors.get("output.weight")
