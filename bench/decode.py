@@ -220,8 +220,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="add a per-op profile of one decode step")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
-    # ggml's AMX repacked kernels die with SIGILL on VMs that do not grant AMX tile state (the dev box)
-    ap.add_argument("--llama-args", default="--no-repack", help="extra llama-server arguments")
+    # llama-server as users run it: its defaults. Where ggml's AMX repacked kernels die with SIGILL (VMs
+    # that report AMX but do not grant its tile state, as the dev box), pass --llama-args=--no-repack and
+    # quote that configuration with the figures (the JSON's llama_args says it).
+    ap.add_argument("--llama-args", default="", help="extra llama-server arguments (default: none)")
     ap.add_argument("--start-ctx", type=int, help="n_ctx of the start-up measurement (default: serve's ctx)")
     ap.add_argument("--no-start", action="store_true", help="skip the start-up measurement")
     ap.add_argument("--start-child", type=Path, help=argparse.SUPPRESS)  # one start, in a child process
