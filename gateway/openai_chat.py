@@ -146,6 +146,9 @@ def _event(obj: dict) -> bytes:
 
 
 def receipt_event(receipt: dict) -> bytes:
+    """The receipt, last before [DONE]. Not a chunk (no `object`, no `id`): the openai client's stream
+    helper skips it, where a chunk would overwrite the usage it gathered; `choices` is there, empty,
+    for clients that read it on every event."""
     return _event({"choices": [], "bankml_receipt": receipt})
 
 
