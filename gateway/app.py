@@ -26,6 +26,7 @@ from sanic import Sanic
 
 from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
+from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
 from gateway import bankml_routes, llama_routes, monitor_routes
 from gateway.chat_route import chat_completions
@@ -131,7 +132,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     n_slots = engine_cfg.n_slots
     try:  # before the engine first touches jax: JAX's allocator reads it once
         memory_fraction, fraction_note = device_budget.apply_memory_fraction(engine_cfg.memory_fraction)
-    except ValueError as e:
+    except ConfigInvalid as e:
         return _refuse(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)

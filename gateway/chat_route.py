@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`, top to bottom.
 
-1. read the body as llama-server reads it (chat_request.parse_chat, with the model's sampling
-   defaults): its 400 (or 500) before any model work, then ours for what this engine cannot do;
+1. read the body as llama-server reads it (chat_request.parse_chat, off the loop, with the model's
+   sampling defaults): its 400 (or 500) before any model work, then ours for what this engine cannot do;
 2. acquire the model (any `model` name is the one served): its file must still be the verified one,
    or 503 and no receipt (residency.py);
 3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
@@ -42,7 +42,8 @@ def engine_error(state, out: StepOutput) -> EngineFailed | EngineGone:
 
 async def chat_completions(request, state):
     body = request.body
-    chat = parse_chat(body, state.residency.sampling_defaults)
+    # off the loop: a 16 MiB body takes a while to parse, and other clients must not wait for it
+    chat = await asyncio.to_thread(parse_chat, body, state.residency.sampling_defaults)
     loaded = await state.residency.acquire()
     prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
     if len(prompt) >= loaded.model.n_ctx:

@@ -20,6 +20,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from typing import Any
 
+from bankml.errors import ConfigInvalid
 from gpu_monitor.limiter import LimiterStatus
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -40,13 +41,13 @@ def apply_memory_fraction(fraction: float, environ: MutableMapping[str, str] = o
     An operator's own XLA_PYTHON_CLIENT_MEM_FRACTION wins (it is the knob JAX documents). Once JAX's
     backend has started, the variable is no longer read, so the configured value is only reported."""
     if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"[engine] memory_fraction must be in (0, 1], not {fraction}")
+        raise ConfigInvalid(f"[engine] memory_fraction must be in (0, 1], not {fraction}")
     given = environ.get(MEM_FRACTION_ENV)
     if given:
         try:
             effective = float(given)
         except ValueError:
-            raise ValueError(f"{MEM_FRACTION_ENV}={given!r} is not a number") from None
+            raise ConfigInvalid(f"{MEM_FRACTION_ENV}={given!r} is not a number") from None
         if effective != fraction:
             return effective, (f"{MEM_FRACTION_ENV}={given} in the environment wins over "
                                f"[engine] memory_fraction {fraction}")

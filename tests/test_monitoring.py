@@ -17,6 +17,7 @@ from fake_engine import REPLY_PIECES, FakeEngine
 from gpu_monitor_fakes import MEMINFO, FakeGpu, add_card, add_rapl, make_pynvml, write, write_proc
 from prometheus_client.parser import text_string_to_metric_families
 
+from bankml.errors import ConfigInvalid
 from gateway.answer_metrics import KEEP, SOURCE, MetricsRing, answer_record
 from gateway.engine_client import EngineClient
 from gateway.monitoring import Monitoring
@@ -287,5 +288,5 @@ def test_memory_fraction_goes_to_jax_unless_the_operator_set_it(monkeypatch):
     env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     fraction, note = device_budget.apply_memory_fraction(0.85, env)
     assert fraction == 0.5 and "wins over [engine] memory_fraction 0.85" in note
-    with pytest.raises(ValueError, match="memory_fraction"):
+    with pytest.raises(ConfigInvalid, match="memory_fraction"):
         device_budget.apply_memory_fraction(1.5, {})
