@@ -16,6 +16,7 @@ and GGUF's tensor names become the field names.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from model.actquant import ACT_KIND
 from model.config import Config, UnsupportedModel
 from model.packed import PACKABLE_TYPES, Packed, pack, type_group, unpack_affine
 from model.tokenizer_gguf import _KVReader, read_kv
+
+log = logging.getLogger(__name__)
 
 Array = jax.Array
 Matrix = Array | Packed  # f32 [out, in], or packed codes that expand to exactly the same values
@@ -156,6 +159,7 @@ def _tensor_table(path: str | os.PathLike):
     view per element of every array (7 of SmolLM2's 8 s of loading, tens of seconds on a 262k
     vocabulary); model/tokenizer_gguf.py's reader only walks that section to where the tensors begin,
     and hands over the one key gguf-py itself reads there, `general.alignment`."""
+    import importlib.metadata
     from gguf import GGUFReader, GGUFValueType
     from gguf.gguf_reader import ReaderField
 
@@ -170,7 +174,14 @@ def _tensor_table(path: str | os.PathLike):
                                              [GGUFValueType.UINT32]), skip_sum=True)
             return kv.o
 
-    return TensorTable(os.fspath(path))
+    try:
+        return TensorTable(os.fspath(path))
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # _build_fields is gguf-py's private API: another version may differ
+        log.warning("gguf-py %s: the fast tensor-table read failed (%s: %s); reading the whole header",
+                    importlib.metadata.version("gguf"), type(e).__name__, e)
+        return GGUFReader(os.fspath(path))
 
 
 def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool,

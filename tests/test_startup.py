@@ -275,3 +275,32 @@ def test_serve_through_a_pipe_logs_without_progress_or_platform_noise(tmp_path, 
     assert "Unable to initialize backend" not in log and "'tpu'" not in log
     assert "more compile later" in log and "listening on" in log
     assert not any(line.startswith("bankml: ") for line in log.splitlines())  # only the log lines
+
+
+# --- the fast load: the tensor table without gguf-py's parse of the keys ----------------------------
+
+
+def _table(reader) -> list[tuple]:
+    return [(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape), int(t.data_offset)) for t in reader.tensors]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_fast_tensor_table_is_gguf_pys_and_a_gguf_py_that_differs_falls_back(tmp_path, arch, monkeypatch,
+                                                                                   caplog):
+    from gguf import GGUFReader
+
+    from model import weights
+
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, n_layer=2, scale=0.3)
+    assert _table(weights._tensor_table(path)) == _table(GGUFReader(str(path)))
+    fast_config, fast = weights.load_weights(path, verified=True)
+
+    def moved(*args, **kwargs):  # as if gguf-py called its private _build_fields otherwise
+        raise TypeError("_build_fields() takes 2 positional arguments")
+
+    monkeypatch.setattr(weights, "_KVReader", moved)
+    with caplog.at_level(logging.WARNING, logger="model.weights"):
+        config, slow = weights.load_weights(path, verified=True)
+    assert "reading the whole header" in caplog.text
+    assert config == fast_config
+    assert np.array_equal(np.asarray(slow.token_embd), np.asarray(fast.token_embd))
