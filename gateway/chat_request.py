@@ -116,7 +116,7 @@ def _content_text(parts: list) -> str:
         if kind != "text":
             raise bad("unsupported content[].type")
     # common_chat_msg::to_json_oaicompat for a template that reads a string: text parts, one per line
-    text = ""
+    pieces = []
     for p in parts:
         if "text" not in p:
             raise failed("Failed to parse messages: [json.exception.out_of_range.403] key 'text' not found")
@@ -124,8 +124,8 @@ def _content_text(parts: list) -> str:
             piece = get_string(p["text"])
         except JsonTypeError as e:
             raise failed(f"Failed to parse messages: {e}") from None
-        text = text + "\n" + piece if text else piece
-    return text
+        pieces.append(piece)
+    return "\n".join(pieces)  # one join: adding piece by piece copies the text each time (quadratic)
 
 
 def check_messages(messages: Any) -> list[dict]:
@@ -199,7 +199,7 @@ def openai_layer(body: Any) -> tuple[dict, list[dict]]:
 
 # request field -> why ignoring it cannot change the answer (the report's "ignored" column)
 IGNORED = {
-    "model": "one model is served; a name that is not it is a 404 before this",
+    "model": "one model is served, and any name is answered by it (as llama-server does)",
     "return_tokens": "only llama-server's /completion shape has `tokens`",
     "response_fields": "only llama-server's /completion shape reads it",
     "sse_ping_interval": "pings are SSE comments, not part of the answer",
@@ -242,7 +242,7 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("ignore_eos", p.get("ignore_eos") is True, None),
         ("grammar", "grammar" in p, None),
         ("json_schema", "json_schema" in p, None),
-        ("tools", isinstance(request.get("tools"), list) and bool(request["tools"]), None),
+        ("tools", has_tools(request), None),
         ("verbose", p.get("verbose") is True, None),
         ("timings_per_token", p.get("timings_per_token") is True, None),
         ("return_progress", p.get("return_progress") is True, None),
@@ -260,6 +260,17 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("reasoning_budget_tokens", p.get("reasoning_budget_tokens", -1) >= 0, None),
         ("reasoning_control", p.get("reasoning_control") is True, None),
         ("chat_parser", bool(p.get("chat_parser")), None),
+        # OpenAI's own fields that llama-server passes by; each would change the answer
+        ("functions", has_value(request, "functions"), None),
+        ("function_call", has_value(request, "function_call"), None),
+        ("audio", has_value(request, "audio"), None),
+        ("modalities", json_value(request, "modalities", ["text"]) not in (["text"], []), "text only"),
+        ("prediction", has_value(request, "prediction"), None),
+        ("web_search_options", has_value(request, "web_search_options"), None),
+        ("response_format", has_value(request, "response_format") and not isinstance(request["response_format"], dict),
+         "it must be an object, e.g. {\"type\": \"text\"}"),
+        ("tool_choice", not has_tools(request) and json_value(request, "tool_choice", "auto") not in ("auto", "none"),
+         "a tool_choice other than auto or none needs tools"),
     )
     for name, refused, why in checks:
         if refused:
@@ -275,6 +286,10 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
         raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
+
+
+def has_tools(request: dict) -> bool:
+    return isinstance(request.get("tools"), list) and bool(request["tools"])
 
 
 def _empty_bias(v: Any) -> bool:

@@ -16,7 +16,7 @@ import enum
 import logging
 
 from sanic import HTTPResponse
-from sanic.exceptions import MethodNotAllowed, NotFound, SanicException
+from sanic.exceptions import MethodNotAllowed, NotFound, RequestCancelled, SanicException
 from sanic.handlers import ErrorHandler
 
 from bankml import jstr
@@ -84,6 +84,9 @@ class GatewayErrorHandler(ErrorHandler):
     def default(self, request, exception: Exception) -> HTTPResponse:
         if isinstance(exception, BankmlError):
             return render(exception, api_of(getattr(request, "path", "")))
+        if isinstance(exception, RequestCancelled):  # the client went away: nobody reads this answer
+            log.debug("%s %s: the client went away", getattr(request, "method", "?"), getattr(request, "path", "?"))
+            return text_response("client gone", 499)
         if isinstance(exception, NotFound | MethodNotAllowed):
             # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404
             return text_response(self.not_found_text, 404)

@@ -1,5 +1,5 @@
 """`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
-gateway/chat_request.py; `parse_messages` serves llama-server's /apply-template).
+gateway/chat_request.py).
 
 Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
 order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
@@ -42,20 +42,6 @@ def parse_json_body(body: bytes) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise InvalidRequest("body is not JSON") from None
-
-
-def parse_messages(value: Any) -> list[dict]:
-    if not isinstance(value, list):
-        raise InvalidRequest("'messages' is required and must be an array")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str):
-            raise InvalidRequest(f"messages[{i}].content must be a string (content parts are not supported yet)")
-        out.append({**m, "content": content or ""})
-    return out
 
 
 # --- writing ---------------------------------------------------------------------------------------

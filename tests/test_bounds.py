@@ -11,6 +11,7 @@ probed over loopback, and each test fails without it.
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import httpx
@@ -296,3 +297,56 @@ def test_a_json_response_format_is_refused_by_name(server):
     r = httpx.post(server.url("/v1/chat/completions"), json={"messages": HI, "response_format": {"type": "text"},
                                                              "max_tokens": 1}, timeout=60)
     assert r.status_code == 200
+
+
+# --- found by probing the merged server -------------------------------------------------------------
+
+
+def test_openai_fields_this_engine_cannot_honour_are_refused_by_name(server):
+    cases = {
+        "functions": {"functions": [{"name": "f", "parameters": {}}]},
+        "function_call": {"function_call": "auto"},
+        "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+        "modalities": {"modalities": ["text", "audio"]},
+        "prediction": {"prediction": {"type": "content", "content": "x"}},
+        "web_search_options": {"web_search_options": {}},
+        "response_format": {"response_format": "json"},
+        "tool_choice": {"tool_choice": "required"},
+    }
+    for name, fields in cases.items():
+        r = httpx.post(server.url("/v1/chat/completions"), json={"messages": HI, **fields}, timeout=60)
+        assert r.status_code == 400, (name, r.text)
+        assert r.json()["error"]["message"].startswith(f"'{name}' is not supported by bankml serve --native"), name
+    r = httpx.post(server.url("/v1/chat/completions"), timeout=60,
+                   json={"messages": HI, "modalities": ["text"], "tool_choice": "none", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_apply_template_reads_messages_as_a_chat_does(server):
+    r = httpx.post(server.url("/apply-template"), content=rb'{"messages": [{"role": "user", "content": "a\ud800"}]}',
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "parse_error.101" in r.json()["error"]["message"]
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]}
+    plain = {"messages": [{"role": "user", "content": "Say\nhi"}]}  # llama-server joins text parts by lines
+    r = httpx.post(server.url("/apply-template"), json=parts, timeout=60)
+    assert r.status_code == 200 and r.json() == httpx.post(server.url("/apply-template"), json=plain, timeout=60).json()
+
+
+def test_tokenize_refuses_what_it_would_silently_drop(server):
+    for body, field in (({"content": ["a", 1]}, "'content'"), ({"content": 123}, "'content'"),
+                        ({"content": "hi", "with_pieces": True}, "'with_pieces'")):
+        r = httpx.post(server.url("/tokenize"), json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), body
+
+
+def test_a_client_gone_is_not_logged_as_an_unhandled_error(caplog):
+    from types import SimpleNamespace
+
+    from sanic.exceptions import RequestCancelled
+
+    from gateway.errors import GatewayErrorHandler
+
+    with caplog.at_level(logging.INFO, logger="bankml.gateway"):
+        GatewayErrorHandler("not found").default(SimpleNamespace(method="POST", path="/v1/chat/completions"),
+                                                 RequestCancelled())
+    assert "unhandled" not in caplog.text
