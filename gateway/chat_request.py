@@ -52,10 +52,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"invalid literal {name}")
 
 
+def _nlohmann_int(text: str) -> int | float:
+    # nlohmann keeps an integer literal as an integer only while it fits int64 or uint64, else as a
+    # double (lexer.hpp, scan_number): `max_tokens: 1e30` and `max_tokens: 10**30` then read the same
+    n = int(text)
+    return n if -(1 << 63) <= n < 1 << 64 else float(text)
+
+
 def parse_body(body: bytes) -> Any:
-    """The body as nlohmann parses it: NaN and Infinity are not JSON, nor is a lone surrogate."""
+    """The body as nlohmann parses it: NaN and Infinity are not JSON, nor is a lone surrogate; an
+    integer past 64 bits is a double."""
     try:
-        value = json.loads(body, parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant, parse_int=_nlohmann_int)
     except json.JSONDecodeError as e:
         raise _parse_error(e.lineno, e.colno, e.msg) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -350,3 +350,13 @@ def test_a_client_gone_is_not_logged_as_an_unhandled_error(caplog):
         GatewayErrorHandler("not found").default(SimpleNamespace(method="POST", path="/v1/chat/completions"),
                                                  RequestCancelled())
     assert "unhandled" not in caplog.text
+
+
+def test_an_integer_past_64_bits_reads_as_the_double_it_is_in_llama_server(server):
+    def answer(n: str) -> tuple[int, str]:
+        r = post_raw(server, b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + n.encode() + b"}")
+        return r.status_code, r.json().get("error", {}).get("message", "")
+
+    # 10**30 used to wrap to a huge positive count and generate to the end of the context
+    assert answer(str(10**30)) == answer("1e30")
+    assert answer(str(10**30))[0] == 400
