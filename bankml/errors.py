@@ -60,6 +60,10 @@ class ModelNotFound(BankmlError):
     """No pinned model has the requested name."""
 
 
+class RouteNotFound(BankmlError):
+    """No route has this method and exact path (an OpenAI client reads the message of a JSON 404)."""
+
+
 # --- a request --------------------------------------------------------------------------------------
 
 
@@ -135,6 +139,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     FileChanged: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     ModelUnusable: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     ModelNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
+    RouteNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
     InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
     ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),

@@ -20,7 +20,7 @@ from sanic.exceptions import MethodNotAllowed, NotFound, RequestCancelled, Sanic
 from sanic.handlers import ErrorHandler
 
 from bankml import jstr
-from bankml.errors import BankmlError, ContextExceeded, InternalError, codes
+from bankml.errors import BankmlError, ContextExceeded, InternalError, RouteNotFound, codes
 
 log = logging.getLogger("bankml.gateway")
 
@@ -88,7 +88,11 @@ class GatewayErrorHandler(ErrorHandler):
             log.debug("%s %s: the client went away", getattr(request, "method", "?"), getattr(request, "path", "?"))
             return text_response("client gone", 499)
         if isinstance(exception, NotFound | MethodNotAllowed):
-            # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404
+            # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404, in text
+            # (the routes' list) except under /v1, where OpenAI's clients read llama-server's JSON 404
+            path = getattr(request, "path", "")
+            if api_of(path) is Api.OPENAI:
+                return render(RouteNotFound("File Not Found"), Api.OPENAI)
             return text_response(self.not_found_text, 404)
         if isinstance(exception, SanicException):
             return text_response(str(exception) or "error", exception.status_code)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from gateway_helpers import FakeServer, tiny_model
+from sanic.exceptions import NotFound
 from tiny_gguf import write_tiny_gguf
 
 from bankml import errors
@@ -176,3 +177,12 @@ def test_a_deleted_model_file_is_the_same_503(tmp_path):
         assert httpx.get(s.url("/health")).status_code == 503
     finally:
         s.stop()
+
+
+def test_an_unknown_path_under_v1_is_llama_servers_json_404_and_elsewhere_the_routes_text():
+    handler = GatewayErrorHandler("bankml serve --native: GET /health")
+    r = handler.default(SimpleNamespace(path="/v1/embeddings", method="POST"), NotFound())
+    assert (r.status, json.loads(r.body)) == (404, {"error": {"code": 404, "message": "File Not Found",
+                                                              "type": "not_found_error"}})
+    r = handler.default(SimpleNamespace(path="/nope", method="GET"), NotFound())
+    assert (r.status, r.body) == (404, b"bankml serve --native: GET /health")
