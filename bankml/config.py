@@ -51,6 +51,7 @@ class LimitsConfig:
     head_timeout_s: float = 10.0  # the whole request head, however it trickles in: else 408
     body_grace_s: float = 10.0  # after this, a body slower than min_body_bytes_per_s on average: 408
     min_body_bytes_per_s: int = 1024  # 0: no minimum rate
+    body_timeout_s: float = 60.0  # the whole request body, at whatever rate: else 408 (16 MiB takes ms here)
     max_upstream_body_bytes: int = 64 << 20  # P0: from llama-server, refused before it is buffered
 
     @property

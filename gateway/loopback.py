@@ -2,22 +2,26 @@
 
 Checks, in the Rust bankml's order (its serve.rs):
 1. while the head is read: a request or header line over 16 KiB (terminator included), or more than
-   100 header lines -> 400; once it is in: a request line that is not three parts, a control byte in
-   the request line or a header line (HTAB aside), or CONNECT -> 400;
+   100 header lines -> 400; a client that half-closes with a head begun but not complete -> 400; once
+   it is in: a request line that is not three parts, a control byte in the request line or a header
+   line (HTAB aside), CONNECT, a target that is not origin-form (`/`, then only what RFC 3986 allows in
+   a path and query; absolute-form http:// with such a path passes too, RFC 9112 §3.2.2), a header
+   name that is not a token (RFC 9110 §5.1; so no space before the colon, RFC 9112 §5.1) -> 400;
 2. more than one Host header -> 400 (RFC 9112 §3.2); a Host other than 127.0.0.1, localhost or [::1],
    with no port or one of ASCII digits (a missing Host counts) -> 403;
 3. OPTIONS (a cross-origin preflight; this server has no --allow-origin) -> 403;
 4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
 5. a Content-Length that is not 1-19 ASCII digits -> 400, over 16 MiB -> 413;
-6. a POST whose Content-Type is not application/json (any case, then only `;` parameters) -> 415;
+6. more than one Content-Type header -> 400; a POST whose Content-Type is not application/json (any
+   case, then only `;` parameters) -> 415;
 7. more than 32 open connections on a listener -> 503, decided when the connection is accepted.
 
 Refusals are text/plain with `Connection: close`. Each is written at once, then what the client sent
 is read and discarded (its announced body, or until it pauses for 50 ms) for at most 200 ms before the
 socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
 byte while a request is read (head and body), 120 s blocked on a write; and, since a client that sends
-a byte now and then is never silent, a head not complete within 10 s, or a body that after a 10 s
-grace comes slower than 1 KiB/s on average, is answered 408.
+a byte now and then is never silent, a head not complete within 10 s, a body that after a 10 s grace
+comes slower than 1 KiB/s on average, or a body not complete within 60 s, is answered 408.
 
 Every connection registers with its server's `Shutdown` (shutdown.py): on SIGTERM or SIGINT a head
 still coming in is answered 503, and the answers in flight get the grace period to finish.
@@ -67,6 +71,8 @@ CONNECT_REFUSED = "CONNECT is not supported: bankml serve is not a proxy"
 BAD_FIELD = "control character in a header field"
 TWO_HOSTS = "more than one Host header"
 BAD_LENGTH = "bad Content-Length"
+TWO_TYPES = "more than one Content-Type header"
+INCOMPLETE_HEAD = "incomplete request head"
 
 QUIET_MS = 50  # a drain with no announced length stops after this long without a byte
 
@@ -111,6 +117,11 @@ class HeadReader:
         self._pos = 0  # start of the line being read
         self._lines: list[bytes] = []
 
+    @property
+    def started(self) -> bool:
+        """Whether any byte of a head has come in."""
+        return bool(self._buf)
+
     def feed(self, data: bytes) -> Head | Refusal | None:
         self._buf += data
         max_line = self.limits.max_line_bytes
@@ -138,6 +149,17 @@ class HeadReader:
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 MAX_LENGTH_DIGITS = 19  # any length this server takes has far fewer; more is no number int() should see
+# RFC 9110 §5.1: a field name is a token
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 9112 §3.2.1 origin-form: absolute-path [ "?" query ], with RFC 3986's pchar. httptools (Sanic's URL
+# parser) drops the connection with a traceback on a target that starts otherwise, or on a control or
+# non-ASCII byte after the "/"; what it takes beyond RFC 3986 (`{`, `|`, `"`, `#`, a bad %-escape) is
+# refused here too, so only this grammar reaches Sanic.
+_PCHAR = r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})"
+_ORIGIN_FORM = rf"/(?:{_PCHAR}|/)*(?:\?(?:{_PCHAR}|[/?])*)?"
+# absolute-form with an authority httptools takes (a name or an IP literal, an optional port of digits)
+_TARGET = re.compile(rf"(?:http://(?:[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1,5}})?)?{_ORIGIN_FORM}",
+                     re.IGNORECASE)
 _JSON_TYPE = re.compile(r"application/json[ \t]*(;.*)?", re.IGNORECASE | re.DOTALL)
 
 
@@ -153,22 +175,26 @@ def _parse_head(lines: list[bytes], body_start: bytes) -> Head | Refusal:
         return Refusal(400, BAD_HEAD)
     if parts[0] == "CONNECT":  # a tunnel to host:port; nothing here routes it
         return Refusal(400, CONNECT_REFUSED)
+    # OPTIONS * (asterisk-form) is well formed: it goes on to its 403
+    if not _TARGET.fullmatch(parts[1]) and not (parts[0] == "OPTIONS" and parts[1] == "*"):
+        return Refusal(400, BAD_TARGET)
     headers = []
     for raw in lines[1:]:
         text = raw.decode("latin-1")
         if _CONTROL.search(text):
             return Refusal(400, BAD_FIELD)
         name, sep, value = text.partition(":")
-        if not sep or not name.strip():
+        if not sep or not _TOKEN.fullmatch(name):  # `Host : x` and a folded ` Host: x` included
             return Refusal(400, BAD_HEAD)
-        headers.append((name.strip().lower(), value.strip()))
+        # only SP and HTAB are optional whitespace (RFC 9110 §5.6.3); str.strip() also takes \x85, \xa0
+        headers.append((name.lower(), value.strip(" \t")))
     return Head(parts[0], parts[1], parts[2], tuple(headers), body_start)
 
 
 def loopback_host(value: str) -> bool:
     """127.0.0.1, localhost or [::1], with or without a port of ASCII digits; anything else (an empty
     one too, or `127.0.0.1:evil.example`) is not."""
-    h = value.strip().lower()
+    h = value.strip(" \t").lower()
     if h.startswith("["):
         host, _, rest = h.partition("]")
         return host == "[::1" and (rest == "" or (rest.startswith(":") and _port(rest[1:])))
@@ -208,6 +234,8 @@ def check_head(head: Head, limits: Limits) -> Refusal | None:
         return n
     if n > limits.max_body_bytes:
         return Refusal(413, TOO_LARGE, drain)
+    if sum(k == "content-type" for k, _ in head.headers) > 1:  # which one would the handler believe?
+        return Refusal(400, TWO_TYPES, drain)
     if head.method == "POST" and not _JSON_TYPE.fullmatch(head.header("content-type") or ""):
         return Refusal(415, NOT_JSON, drain)
     return None
@@ -258,6 +286,7 @@ class LoopbackProtocol(HttpProtocol):
         self._last_rx = monotonic()
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
         self._body_got = 0  # body bytes in so far, and since when (the minimum rate's clock)
         self._body_since = 0.0
         if self._live[0] >= self.limits.max_connections:
@@ -314,14 +343,19 @@ class LoopbackProtocol(HttpProtocol):
         self._cancel_head_timer()
         if self._body_left <= 0:
             self._cancel_read_timer()
-        elif self.limits.min_body_bytes_per_s > 0:  # 0: no minimum rate
+        else:
             self._body_since, self._body_got = monotonic(), len(head.body_start)
-            self._body_timer = self.loop.call_later(self.limits.body_grace_s, self._body_rate_check)
+            # the rate alone lets a body of 16 MiB at 1 KiB/s hold a slot for hours
+            self._body_deadline = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+            if self.limits.min_body_bytes_per_s > 0:  # 0: no minimum rate
+                self._body_timer = self.loop.call_later(self.limits.body_grace_s, self._body_rate_check)
         self.connections.add(self)
         self._task = self.loop.create_task(self.connection_task())
         super().data_received(head.serialized())
 
     def eof_received(self):
+        if self._mode == "head" and self._head.started:  # half-closed mid-head: it can still read an answer
+            self._refuse(Refusal(400, INCOMPLETE_HEAD))
         if self._mode in ("over", "drain"):
             self._closed = True
             self._drain_event.set()
@@ -444,6 +478,9 @@ class LoopbackProtocol(HttpProtocol):
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -464,6 +501,12 @@ class LoopbackProtocol(HttpProtocol):
         # Sanic is still waiting for the body, and nothing has been written: the answer is ours, and the
         # rest of the body is drained, not passed on; Sanic's request task ends when the socket closes
         self._refuse(Refusal(408, f"request body slower than {rate} bytes/s", self._body_left))
+
+    def _body_timed_out(self) -> None:
+        self._body_deadline = None
+        if self._mode == "pass" and self._body_left > 0:  # as in _body_rate_check: the answer is ours
+            self._refuse(Refusal(408, f"request body not complete within {self.limits.body_timeout_s:g} s",
+                                 self._body_left))
 
     def pause_writing(self):
         super().pause_writing()
