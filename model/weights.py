@@ -160,6 +160,7 @@ def _tensor_table(path: str | os.PathLike):
     vocabulary); model/tokenizer_gguf.py's reader only walks that section to where the tensors begin,
     and hands over the one key gguf-py itself reads there, `general.alignment`."""
     import importlib.metadata
+
     from gguf import GGUFReader, GGUFValueType
     from gguf.gguf_reader import ReaderField
 
