@@ -249,20 +249,50 @@ def exact_chunks(word: str, unsafe: Container[str], max_chars: int) -> list[str]
     return out
 
 
+class IdsCache:
+    """Token ids by text, bounded by count and by bytes (about: the text, its ids and the dict's own
+    slot), emptied when full, so a hostile text cannot grow it; a text over `max_chars` is not kept
+    (it is rarely seen twice)."""
+
+    def __init__(self, max_entries: int, max_bytes: int, max_chars: int):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_chars = max_chars
+        self._ids: dict[str, tuple[int, ...]] = {}
+        self.nbytes = 0
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        return self._ids.get(text)
+
+    def put(self, text: str, ids: tuple[int, ...]) -> None:
+        if len(text) > self.max_chars:
+            return
+        size = 100 + 2 * len(text) + 8 * len(ids)
+        if len(self._ids) >= self.max_entries or self.nbytes + size > self.max_bytes:
+            self.clear()
+        self._ids[text] = ids
+        self.nbytes += size
+
+    def clear(self) -> None:
+        self._ids.clear()
+        self.nbytes = 0
+
+    def __contains__(self, text: str) -> bool:
+        return text in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class BpeModel:
     """The merge loop and the word cache for one vocabulary."""
-
-    _CACHE_MAX = 1 << 17  # words
-    _CACHE_MAX_BYTES = 64 << 20  # about: the words, their ids and the dict's own slots
-    _CACHE_WORD_MAX = 256  # characters: a longer word is not cached (it is rarely seen twice)
 
     def __init__(self, token_to_id: Mapping[str, int], ranks: Mapping[tuple[str, str], int],
                  pre: PreTokenizer):
         self.token_to_id = token_to_id
         self.ranks = ranks
         self.pre = pre
-        self._cache: dict[str, tuple[int, ...]] = {}
-        self._cache_bytes = 0
+        self._cache = IdsCache(max_entries=1 << 17, max_bytes=64 << 20, max_chars=256)  # words
         self._junctions: frozenset[str] | None = None
 
     @property
@@ -282,12 +312,12 @@ class BpeModel:
         for word in regex_split(text, self.pre.regexes):
             ids = cache.get(word)
             if ids is None:
-                if limit is not None and min_tokens is not None and len(word) > self._CACHE_WORD_MAX:
+                if limit is not None and min_tokens is not None and len(word) > cache.max_chars:
                     at_least = len(out) + min_tokens(word)
                     if at_least > limit:
                         raise TokenLimitExceeded(at_least)
                 ids = self._encode_word(word)
-                self._remember(word, ids)
+                cache.put(word, ids)
             out.extend(ids)
             if limit is not None and len(out) > limit:
                 raise TokenLimitExceeded(len(out))
@@ -301,16 +331,6 @@ class BpeModel:
             return (self.token_to_id[encoded],)
         chunks = exact_chunks(encoded, self.junctions, MAX_MERGE_CHARS)
         return tuple(t for chunk in chunks for t in self._word(chunk, merges_only=True))
-
-    def _remember(self, word: str, ids: tuple[int, ...]) -> None:
-        if len(word) > self._CACHE_WORD_MAX:
-            return
-        size = 100 + 2 * len(word) + 8 * len(ids)
-        if len(self._cache) >= self._CACHE_MAX or self._cache_bytes + size > self._CACHE_MAX_BYTES:
-            self._cache.clear()
-            self._cache_bytes = 0
-        self._cache[word] = ids
-        self._cache_bytes += size
 
     def _word(self, word: str, merges_only: bool = False) -> tuple[int, ...]:
         token_to_id = self.token_to_id

@@ -13,7 +13,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from model import tokenizer_bpe
-from model.tokenizer_bpe import exact_chunks
+from model.tokenizer_bpe import IdsCache, exact_chunks
 
 
 class SpmError(ValueError):
@@ -21,16 +21,12 @@ class SpmError(ValueError):
 
 
 class SpmModel:
-    _CACHE_MAX = 1 << 14  # fragments (mostly lines: a chat prompt repeats its earlier turns)
-    _CACHE_MAX_BYTES = 64 << 20  # about: the fragments, their ids and the dict's own slots
-    _CACHE_TEXT_MAX = 1 << 12  # characters: a longer fragment is not cached
-
     def __init__(self, token_to_id: Mapping[str, int], scores: Sequence[float]):
         self.token_to_id = token_to_id
         self.scores = scores
         self._byte_ids: dict[int, int] = {}
-        self._cache: dict[str, tuple[int, ...]] = {}
-        self._cache_bytes = 0
+        # fragments, mostly lines: a chat prompt repeats its earlier turns
+        self._cache = IdsCache(max_entries=1 << 14, max_bytes=64 << 20, max_chars=1 << 12)
         self._junctions: frozenset[str] | None = None
 
     @property
@@ -60,13 +56,7 @@ class SpmModel:
             limit = tokenizer_bpe.MAX_MERGE_CHARS
             chunks = exact_chunks(text, self.junctions, limit) if len(text) > limit else [text]
             ids = tuple(t for chunk in chunks if chunk for t in self._merge(chunk))
-            if len(text) <= self._CACHE_TEXT_MAX:
-                size = 100 + 2 * len(text) + 8 * len(ids)
-                if len(self._cache) >= self._CACHE_MAX or self._cache_bytes + size > self._CACHE_MAX_BYTES:
-                    self._cache.clear()
-                    self._cache_bytes = 0
-                self._cache[text] = ids
-                self._cache_bytes += size
+            self._cache.put(text, ids)
         return list(ids)
 
     def _merge(self, text: str) -> list[int]:

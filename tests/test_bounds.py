@@ -135,13 +135,12 @@ def test_a_long_sentencepiece_fragment_is_merged_in_pieces_that_give_its_tokens(
 
 def test_the_word_cache_is_bounded_by_bytes(smollm2, monkeypatch):
     bpe = smollm2._bpe
-    monkeypatch.setattr(bpe, "_CACHE_MAX_BYTES", 20_000)
+    monkeypatch.setattr(bpe._cache, "max_bytes", 20_000)
     bpe._cache.clear()
-    bpe._cache_bytes = 0
     rng = random.Random(11)
     for _ in range(2000):
         bpe.tokenize(" " + "".join(rng.choice("abcdefgh") for _ in range(12)))
-        assert bpe._cache_bytes <= 20_000
+        assert bpe._cache.nbytes <= 20_000
     assert 0 < len(bpe._cache) < 2000
     long_word = " " + "ab" * 200
     bpe.tokenize(long_word)
