@@ -64,7 +64,12 @@ class LimitsConfig:
 class EngineConfig:
     """The native engine."""
 
-    n_slots: int = 1  # sequences decoded at once (the limiter's second half)
+    max_seqs: int = 4  # sequences decoded at once (llama-server's automatic --parallel; the limiter's second half)
+    max_waiting: int = 256  # requests queued for a sequence beyond that; one more gets 503 and Retry-After
+    # the paged KV cache's pool: 0 sizes it for max_seqs whole contexts on a CPU, or from memory_fraction
+    # of the device's memory after the weights on a GPU; it never grows
+    kv_cache_bytes: int = 0
+    page_size: int = 16  # tokens per KV page (a power of two)
     memory_fraction: float = 0.75  # share of device memory the server may take (the limiter)
     max_prefill_bucket: int = 512  # longest prefill chunk; prompts are padded to powers of two up to it
     # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off)
@@ -127,6 +132,11 @@ def _rule_set(value: str, what: str) -> None:
                             "(the Bonsai/prism rules are out of scope)")
 
 
+def _power_of_two(value: int, what: str) -> None:
+    if value <= 0 or value & (value - 1) or value > 1024:
+        raise ConfigInvalid(f"{what} must be a power of two up to 1024, not {value!r}")
+
+
 def _fraction(value: float, what: str) -> None:
     if not 0.0 < value <= 1.0:
         raise ConfigInvalid(f"{what} must be in (0, 1], not {value!r}")
@@ -142,10 +152,16 @@ _CHECKS = {
     "serve.rule_set": _rule_set,
     **{f"limits.{f.name}": _positive for f in fields(LimitsConfig)},
     "limits.drain_ms": _not_negative,  # 0: refusals close at once
-    "engine.n_slots": _positive,
+    "engine.max_seqs": _positive,
+    "engine.max_waiting": _positive,
+    "engine.kv_cache_bytes": _not_negative,
+    "engine.page_size": _power_of_two,
     "engine.memory_fraction": _fraction,
     "engine.max_prefill_bucket": _positive,
 }
+
+
+_RENAMED = {"engine.n_slots": "engine.max_seqs"}
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -183,6 +199,9 @@ def _over(base: Any, table: dict, source: str, where: str) -> Any:
     for key, value in table.items():
         dotted = f"{where}{key}"
         if key not in known:
+            renamed = _RENAMED.get(dotted)
+            if renamed:
+                raise ConfigInvalid(f"{source}: {dotted!r} is now {renamed!r}")
             raise ConfigInvalid(f"{source}: unknown key {dotted!r}")
         current = getattr(base, key)
         if isinstance(current, ServeConfig | LimitsConfig | EngineConfig):

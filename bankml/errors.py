@@ -95,6 +95,15 @@ class EngineGone(BankmlError):
     """The engine thread has stopped: nothing in this process can answer any more."""
 
 
+class Overloaded(BankmlError):
+    """Too many requests are waiting for the engine ([engine] max_waiting): try again after
+    `retry_after_s` seconds (the answer's Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UpstreamFailed(BankmlError):
     """P0: llama-server could not be asked, or its answer is unusable."""
 
@@ -146,6 +155,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
     EngineGone: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
+    Overloaded: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     UpstreamFailed: Codes(502, 502, 502, "server_error", EXIT_REFUSED),
     InternalError: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
     UsageError: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),

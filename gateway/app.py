@@ -93,9 +93,10 @@ def native_loader(n_ctx: int, engine: EngineConfig) -> Loader:
     def load(path: str):
         from model.engine_thread import load_engine
 
-        loaded, backend = load_engine(path, n_ctx=n_ctx, n_slots=engine.n_slots,
+        loaded, backend = load_engine(path, n_ctx=n_ctx, max_seqs=engine.max_seqs,
                                       prefill_chunk=engine.max_prefill_bucket,
-                                      compile_cache_dir=compile_cache_path(engine.compile_cache_dir))
+                                      compile_cache_dir=compile_cache_path(engine.compile_cache_dir),
+                                      kv_cache_bytes=engine.kv_cache_bytes, page_size=engine.page_size)
         loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
         return loaded, backend
 
@@ -129,14 +130,14 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     logging.getLogger("sanic.access").setLevel(logging.WARNING)
     limits = options.config.limits
     engine_cfg = options.config.engine
-    n_slots = engine_cfg.n_slots
+    max_seqs = engine_cfg.max_seqs
     try:  # before the engine first touches jax: JAX's allocator reads it once
         memory_fraction, fraction_note = device_budget.apply_memory_fraction(engine_cfg.memory_fraction)
     except ConfigInvalid as e:
         return _refuse(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)
-    thread = EngineThread()
+    thread = EngineThread(max_waiting=engine_cfg.max_waiting)
     client = EngineClient(thread)
     loader = loader or native_loader(options.ctx, engine_cfg)
     residency = Residency(gated, client, loader)
@@ -147,7 +148,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         thread.stop()
         return _refuse(f"cannot load {gated.path}: {e}")
     limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
-                                                    n_slots=n_slots, note=fraction_note))
+                                                    max_seqs=max_seqs, note=fraction_note))
     listen, compat_listen = _address(*options.listen), _address(*options.compat_listen)
     sockets: list[socket.socket] = []
     try:

@@ -119,7 +119,7 @@ class UsageCollector:
             ("bankml_limiter_memory_fraction", "Share of device memory the server may take.", "limit"),
             ("bankml_limiter_allocated_bytes", "Device memory the engine's allocator holds.", "allocated_bytes"),
             ("bankml_limiter_limit_bytes", "The engine allocator's ceiling.", "limit_bytes"),
-            ("bankml_limiter_sequences_max", "Sequences the engine decodes at once (n_slots).", "sequences_max"),
+            ("bankml_limiter_sequences_max", "Sequences the engine decodes at once (max_seqs).", "sequences_max"),
             ("bankml_limiter_sequences_in_use", "Sequences decoding now.", "sequences_in_use"),
         ):
             if lim.get(key) is not None:

@@ -2,7 +2,7 @@
 
 Ours is the server's own budget, not a hardware throttle (that is per GPU, beside it, in `gpus[]`):
 the share of device memory the server may take (`[engine] memory_fraction`, applied to JAX's allocator
-before the backend starts) and the number of sequences it decodes at once (`[engine] n_slots`), each
+before the backend starts) and the number of sequences it decodes at once (`[engine] max_seqs`), each
 with how much is in use. Null where no engine runs in this process (P0 behind llama-server).
 
 The engine (model/, the only place that touches JAX's allocator) registers a provider once its device
@@ -13,7 +13,7 @@ is up, and unregisters it when it stops:
     limiter.register(lambda: limiter.LimiterStatus.from_memory_stats(
         dev.memory_stats(),            # dict on GPU, None on CPU
         memory_fraction=cfg.engine.memory_fraction,
-        sequences_max=cfg.engine.n_slots,
+        sequences_max=cfg.engine.max_seqs,
         sequences_in_use=scheduler.active_count(),   # a plain int read, no lock needed
         device=f"{dev.platform}:{dev.id}",
         heap_bytes=nvml_total_or_None))  # device memory, if the engine knows it
@@ -34,7 +34,7 @@ from typing import Any
 @dataclass(frozen=True)
 class LimiterStatus:
     memory_fraction: float  # the share of device memory the server may take (config)
-    sequences_max: int  # sequences decoded at once (config n_slots)
+    sequences_max: int  # sequences decoded at once (config max_seqs)
     sequences_in_use: int  # sequences decoding now
     allocated_bytes: int | None = None  # held by the allocator now (bytes_in_use)
     limit_bytes: int | None = None  # the allocator's ceiling (bytes_limit ≈ fraction × device memory)

@@ -6,7 +6,7 @@ Two halves, each with how much is in use:
   `apply_memory_fraction` runs before the engine first touches jax. The allocator then reports
   `bytes_in_use` and `bytes_limit` through `Device.memory_stats()`. A CPU backend has no such
   allocator: the fraction is reported as configured, its bytes null with the reason.
-- sequences: the engine decodes `n_slots` sequences at once; the busy ones are in use.
+- sequences: the engine decodes up to `max_seqs` sequences at once; the running ones are in use.
 
 No jax import here: the gateway registers the provider (gateway/app.py), and a process whose engine
 never imported jax (the tests' fake engine) holds no JAX device memory to report.
@@ -73,7 +73,7 @@ def engine_platform() -> str:
     return "gpu" if dev is not None and dev.platform in ("gpu", "cuda", "rocm") else "cpu"
 
 
-def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, n_slots: int,
+def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, max_seqs: int,
                      note: str | None = None) -> Callable[[], LimiterStatus]:
     """A provider for `gpu_monitor.limiter.register`. `engine()` gives the resident engine or None (the
     model was unloaded: nothing decodes). Called at most once per usage sample, from the sampler thread;
@@ -82,7 +82,7 @@ def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, n_slo
     def status() -> LimiterStatus:
         eng = engine()
         dev = _device()
-        slots = int(getattr(eng, "n_slots", n_slots)) if eng is not None else n_slots
+        slots = int(getattr(eng, "max_seqs", max_seqs)) if eng is not None else max_seqs
         free = getattr(eng, "free_slots", None)
         in_use = slots - int(free()) if callable(free) else 0
         out = LimiterStatus.from_memory_stats(

@@ -1,24 +1,26 @@
-"""The Python generation API: load a verified GGUF, then prefill and decode requests in slots.
+"""The Python generation API: load a verified GGUF, then serve many requests at once.
 
-A request's life: `submit` puts its prompt in a free slot (chunked prefill, `steps.prefill`) and returns
-the first sampled token; each `step` then runs one `steps.decode_step` for all slots at once (idle slots
-masked) and returns one `StepOutput` per live request, until each finishes: an end-of-generation token
-or a stop string ("stop"), max_tokens or a full context ("length"), or `cancel` ("abort"). Sampling
-runs on the device (llama-server's chain, model/sampler_chain.py, with each slot's token row there for
-the penalties); text, stops and limits are the host side's, one `model.completion.Completion` per
-request. `generate` wraps this for one sequence. The engine thread of the gateway drives it; nothing
-here blocks on I/O.
+`add` checks a request and queues it; each `iterate` is one scheduler iteration (model/scheduler.py:
+admit, a bounded chunk of prefill, one decode step for every running sequence) and returns one
+`StepOutput` per sequence that produced a token, until each finishes: an end-of-generation token or a
+stop string ("stop"), max_tokens or a full context ("length"), or `cancel` ("abort"). `generate`
+wraps this for one sequence. The engine thread of the gateway drives it; nothing here blocks on I/O.
 
-Prompt reuse (llama-server's `cache_prompt`, on by default): a slot keeps the KV of the tokens it
-last held (prompt and answer, less the last token, which is never decoded). A new prompt goes to the
-free slot sharing the longest prefix with it, and only the rest is prefilled; when the whole prompt
-matches, its last token is computed again for its logits. The prefix is reported as `cached_tokens`.
+This module is the scheduler's runner: it owns the weights, the paged KV pool (model/kvcache.py;
+`max_seqs` sequences at once, any of them up to `n_ctx` tokens, their sum bounded by the pool), the
+token history the penalties read, and the compiled programs. Sampling runs on the device
+(llama-server's chain, model/sampler_chain.py); text, stops and limits are the host side's, one
+`model.completion.Completion` per request.
 
-Every compiled program comes from a fixed table of shapes (`program_keys`), so no temperature or token
-ever triggers a compilation. `warmup()` compiles the whole table; a server that wants to bind sooner
-compiles `warmup(essential=True)` (what a first short request needs), then the rest with
+Prompt reuse (llama-server's `cache_prompt`, on by default) is the scheduler's prefix cache: the full
+pages of every sequence stay cached until the pool needs them, and a new prompt computes only what
+follows the longest chain of pages it shares with any of them (`cached_tokens`).
+
+Every compiled program comes from a fixed table of shapes (`program_keys`), so no temperature, token
+or batch ever triggers a compilation. `warmup()` compiles the whole table; a server that wants to
+bind sooner compiles `warmup(essential=True)` (what first short requests need), then the rest with
 `compile_in_background()` while it serves. A program needed before the background got to it is
-compiled on demand, once: the request waits for that program only, never for the others.
+compiled on demand, once: the iteration waits for that program only, never for the others.
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ from bankml.progress import stderr_progress
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
+from model.engine_thread import Iteration
 from model.forward import forward
-from model.kvcache import KVCache, init_cache
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
+from model.kvcache import KVPool, init_pool, page_bytes
+from model.messages import EngineStats, GenerateRequest, SamplingParams, StepOutput
+from model.pages import PagePool
 from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
-from model.steps import Sampled, decode_step, prefill, put_row, select
+from model.scheduler import Scheduler
+from model.scheduler import Sequence as SchedSequence
+from model.steps import put_row, run, select
 from model.weights import Weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,10 @@ PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in
 MIN_PREFILL_BUCKET = 16
 CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in this bucket
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
-# What a first request needs (`essential_keys`): a prompt of up to this many tokens from position 0,
-# then an answer while prompt and answer fit in ESSENTIAL_CELLS; larger shapes compile in the background
+PAGE_SIZE = 16  # tokens per KV page
+# What first requests need (`essential_keys`): prompts of up to this many tokens from position 0 (or
+# a short rest after a cached prefix), then answers while prompt and answer fit in ESSENTIAL_CELLS, at
+# every batch size; larger shapes compile in the background
 ESSENTIAL_PROMPT = 256
 ESSENTIAL_CELLS = 512
 
@@ -73,55 +81,44 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-@dataclass
-class _Slot:
-    request: GenerateRequest
-    seed: int
-    completion: Completion  # the host side of the sequence: text, stops, logprob entries, limits
-
-    @property
-    def n_prompt(self) -> int:
-        return self.completion.n_prompt
-
-    @property
-    def n_generated(self) -> int:
-        return self.completion.n_generated
+def batch_buckets(max_seqs: int) -> list[int]:
+    """Decode batch sizes: the powers of two below max_seqs, and max_seqs."""
+    return sorted({*(1 << i for i in range(max_seqs.bit_length()) if 1 << i < max_seqs), max_seqs})
 
 
 class Engine:
-    """Holds the weights, the KV cache for `n_slots` sequences and the compiled steps."""
+    """Holds the weights, the paged KV pool for up to `max_seqs` sequences, the scheduler and the
+    compiled steps."""
 
-    def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, n_slots: int = 1,
-                 prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, max_seqs: int = 4,
+                 prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
+        if max_seqs < 1:
+            raise EngineError(f"max_seqs must be at least 1, got {max_seqs}")
         if prefill_chunk < MIN_PREFILL_BUCKET or prefill_chunk & (prefill_chunk - 1):
             raise EngineError(f"the largest prefill bucket must be a power of two of at least {MIN_PREFILL_BUCKET},"
                               f" got {prefill_chunk}")
+        if page_size < 1 or page_size & (page_size - 1) or page_size > MIN_WINDOW:
+            raise EngineError(f"the page size must be a power of two up to {MIN_WINDOW}, got {page_size}")
         self.prefill_chunk = prefill_chunk
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.n_ctx = n_ctx
-        self.n_slots = n_slots
+        self.max_seqs = max_seqs
+        self.page_size = page_size
+        self.max_pages = -(-n_ctx // page_size)
+        n_pages = max_seqs * self.max_pages if n_pages is None else n_pages
         self._prefill_windows = self.window_buckets()  # fixed by n_ctx: looked up on every step
         self._decode_windows = self.decode_window_buckets()
+        self._batches = batch_buckets(max_seqs)
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
-        self.cache: KVCache = init_cache(config, n_slots, n_ctx)
-        self._slots: list[_Slot | None] = [None] * n_slots
-        self._next_tokens = np.zeros(n_slots, np.int32)
-        self._sa: ChainArrays = chain_arrays([None] * n_slots, [0] * n_slots)
-        self._history = jnp.zeros((n_slots, n_ctx), jnp.int32)  # each slot's tokens, for the penalties
-        self._held: list[list[int]] = [[] for _ in range(n_slots)]  # tokens whose KV each slot holds
+        self.scheduler = Scheduler(self, PagePool(n_pages, page_size), max_seqs=max_seqs, n_ctx=n_ctx,
+                                   prefill_budget=prefill_chunk)
+        self.pool: KVPool = init_pool(config, n_pages, page_size)
+        # each slot's tokens, for the penalties; the last row takes the padding rows' writes
+        self._history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
         self._compiled: dict[tuple, object] = {}
         self._compiling: dict[tuple, Future] = {}  # programs being compiled, by whichever thread began
         self._compile_lock = threading.Lock()
@@ -136,9 +133,10 @@ class Engine:
     # --- construction -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, n_slots: int = 1,
+    def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, max_seqs: int = 4,
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
-             prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None) -> Engine:
+             prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
+             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         packed: keep quantized matrices as integer codes (model/packed.py); default: on the CPU backend.
@@ -146,6 +144,7 @@ class Engine:
         prefill_chunk: the largest prefill bucket (a power of two); longer prompts run in such chunks.
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 18.5 s -> 3.7 s).
+        kv_cache_bytes: the KV pool's size (0: `kv_pool_pages` decides); page_size: tokens per page.
         """
         t0 = time.perf_counter()
         if compile_cache_dir is not None:
@@ -157,9 +156,13 @@ class Engine:
             from model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_gguf(path)
-        engine = cls(config, weights, tokenizer, n_ctx=n_ctx, n_slots=n_slots, prefill_chunk=prefill_chunk)
-        log.info("loaded %s (%s, %d layers) in %.2f s", os.fspath(path), config.arch, config.n_layer,
-                 time.perf_counter() - t0)
+        n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
+                                kv_cache_bytes=kv_cache_bytes)
+        engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
+                     page_size=page_size, n_pages=n_pages)
+        log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
+                 "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
+                 page_size, n_pages * page_bytes(config, page_size) / 2**20, max_seqs)
         if warmup:
             engine.warmup()
         return engine
@@ -184,9 +187,11 @@ class Engine:
         between = [w * 3 // 2 for w in self.window_buckets() if w * 3 // 2 < self.n_ctx]
         return sorted({*self.window_buckets(), *between})
 
-    @staticmethod
-    def _window(n_cells: int, buckets: list[int]) -> int:
-        return next(w for w in buckets if w >= n_cells)
+    def _window_pages(self, n_cells: int, buckets: list[int]) -> int:
+        """The pages of the smallest window bucket holding `n_cells` cached cells (0: none)."""
+        if n_cells == 0:
+            return 0
+        return -(-next(w for w in buckets if w >= n_cells) // self.page_size)
 
     def _program(self, kind: str, t: int, window: int):
         """The compiled program for (kind, padded length, window), compiled on first use.
@@ -226,39 +231,45 @@ class Engine:
 
     def _lower(self, kind: str, t: int, window: int):
         """Trace and lower one program from shapes alone (`_Specs`), never from the live arrays, which
-        the engine thread donates and replaces while a background compile runs."""
-        sp, b, i32 = self._specs, self.n_slots, jax.ShapeDtypeStruct((), jnp.int32)
-        if kind == "prefill":
-            one = jax.ShapeDtypeStruct((1,), jnp.int32)
-            args = (jax.ShapeDtypeStruct((1, t), jnp.int32), i32, i32, one)
-            return prefill.lower(sp.weights, sp.cache, *args, config=self.config, window=window)
-        if kind == "decode":
-            args = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_))
-            return decode_step.lower(sp.weights, sp.cache, *args, config=self.config, window=window)
+        the engine thread donates and replaces while a background compile runs. For "prefill" t is
+        the chunk's bucket, for "decode" and "select" the batch's; `window` is in pages."""
+        sp, i32 = self._specs, jnp.int32
+        if kind in ("prefill", "decode"):
+            b, n = (1, t) if kind == "prefill" else (t, 1)
+            args = (jax.ShapeDtypeStruct((b, n), i32), jax.ShapeDtypeStruct((b, self.max_pages), i32),
+                    jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32))
+            return run.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
         if kind == "row":
-            return put_row.lower(sp.history, i32, jax.ShapeDtypeStruct((self.n_ctx,), jnp.int32))
+            return put_row.lower(sp.history, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.n_ctx,), i32))
         sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
-        vec = jax.ShapeDtypeStruct((t,), jnp.int32)
+        vec = jax.ShapeDtypeStruct((t,), i32)
         return select.lower(logits, sa, sp.history, vec, vec, vec, logits)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets()]
         for w in self.window_buckets():
-            keys += [("prefill", t, w) for t in sorted({CONTINUE_BUCKET, self._chunk()})]
-        keys += [("decode", 1, w) for w in self.decode_window_buckets()]
-        keys += [("row", 0, 0), ("select", 1, 0)]
-        return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+            keys += [("prefill", t, self._window_pages(w, self._prefill_windows))
+                     for t in sorted({CONTINUE_BUCKET, self._chunk()})]
+        for b in self._batches:
+            keys += [("decode", b, self._window_pages(w, self._decode_windows)) for w in self._decode_windows]
+        keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
+        return keys
 
     def essential_keys(self) -> list[tuple[str, int, int]]:
-        """The programs a first request needs when its prompt has at most ESSENTIAL_PROMPT tokens and
-        prompt and answer fit in ESSENTIAL_CELLS: the smallest prefill buckets from position 0, the
-        smallest decode windows, the samplers and the history row."""
+        """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
+        a rest of at most CONTINUE_BUCKET after a cached prefix) and prompt and answer fit in
+        ESSENTIAL_CELLS: the smallest prefill buckets, the smallest decode windows at every batch
+        size, the samplers and the history row."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
-        keys += [("decode", 1, w) for w in self.decode_window_buckets() if w <= ESSENTIAL_CELLS]
-        keys += [("row", 0, 0), ("select", 1, 0)]
-        return keys + ([("select", self.n_slots, 0)] if self.n_slots > 1 else [])
+        keys += [("prefill", CONTINUE_BUCKET, self._window_pages(w, self._prefill_windows))
+                 for w in self.window_buckets() if w <= ESSENTIAL_CELLS]
+        for b in self._batches:
+            keys += [("decode", b, self._window_pages(w, self._decode_windows))
+                     for w in self._decode_windows if w <= ESSENTIAL_CELLS]
+        keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
+        return list(dict.fromkeys(keys))
 
     def _background_order(self) -> list[tuple[str, int, int]]:
         """The programs not compiled yet, the likeliest next needs first: small windows (a longer answer,
@@ -325,15 +336,9 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------
 
-    def free_slots(self) -> int:
-        return sum(s is None for s in self._slots)
-
-    def active_requests(self) -> list[str]:
-        return [s.request.request_id for s in self._slots if s is not None]
-
-    def submit(self, request: GenerateRequest) -> StepOutput:
-        """Prefill `request` into a free slot; returns its first token (which may already finish it)."""
-        tokens = [int(t) for t in request.prompt_tokens]
+    def add(self, request: GenerateRequest) -> int:
+        """Check `request` and queue it for a sequence; returns its task id. EngineError: refused."""
+        tokens = request.prompt_tokens
         params = request.params
         if not tokens:
             raise EngineError("the prompt is empty")
@@ -345,114 +350,112 @@ class Engine:
             raise EngineError(f"n_probs is at most {N_PROBS_MAX}, got {params.n_probs}")
         if (why := unsupported_sampling(params)) is not None:
             raise EngineError(why)
-        if None not in self._slots:
-            raise EngineError("all slots are busy")
-        slot, n_past = self._pick_slot(tokens, params.cache_prompt)
         # llama.cpp's LLAMA_DEFAULT_SEED (0xFFFFFFFF, i.e. -1) asks for a random seed
         seed = params.seed & 0xFFFFFFFF
         seed = secrets.randbits(32) if seed == 0xFFFFFFFF else seed
         completion = Completion(self.tokenizer, params, n_prompt=len(tokens), n_ctx=self.n_ctx,
-                                eog_ids=self.eog_ids, n_cached=n_past)
-        self._slots[slot] = _Slot(request, seed, completion)
-        self._sa = chain_arrays([s.request.params if s else None for s in self._slots],
-                                [s.seed if s else 0 for s in self._slots])
-        row_sa = jax.tree.map(lambda a: a[slot:slot + 1], self._sa)
-        try:
-            return self._prefill(slot, tokens, n_past, row_sa)
-        except BaseException:
-            self._slots[slot] = None
-            self._held[slot] = []
-            raise
+                                eog_ids=self.eog_ids)
+        return self.scheduler.add(request, seed, completion)
 
-    def _pick_slot(self, tokens: list[int], reuse: bool) -> tuple[int, int]:
-        """The free slot holding the longest prefix of `tokens`, and how many of them to keep."""
-        best, n_best = -1, -1
-        for i, s in enumerate(self._slots):
-            if s is None:
-                n = _common_prefix(self._held[i], tokens) if reuse else 0
-                if n > n_best:
-                    best, n_best = i, n
-        # the whole prompt held: its last token runs again, for the logits of the next one
-        return best, min(n_best, len(tokens) - 1)
+    def iterate(self) -> Iteration:
+        """One scheduler iteration (model/scheduler.py)."""
+        return self.scheduler.iterate()
 
-    def _prefill(self, slot: int, tokens: list[int], n_past: int, row_sa: ChainArrays) -> StepOutput:
-        row = np.zeros(self.n_ctx, np.int32)
-        row[:len(tokens)] = tokens
-        self._history = self._program("row", 0, 0)(self._history, np.int32(slot), row)
-        self._held[slot] = tokens[:n_past]
-        start, logits = n_past, None
-        while start < len(tokens):
-            if start == 0:
-                t = min(self.prefill_chunk, _pow2_at_least(len(tokens), MIN_PREFILL_BUCKET))
-            else:
-                t = CONTINUE_BUCKET if len(tokens) - start <= CONTINUE_BUCKET else self._chunk()
-            chunk = tokens[start:start + t]
-            padded = np.zeros((1, t), np.int32)
-            padded[0, :len(chunk)] = chunk
-            program = self._program("prefill", t, self._window(start, self._prefill_windows) if start else 0)
-            self.cache, logits = program(self.weights, self.cache, padded, np.int32(slot), np.int32(start),
-                                         np.array([len(chunk)], np.int32))
-            start += len(chunk)
-            self._held[slot] = tokens[:start]
-        out, self._history = self._program("select", 1, 0)(
-            logits, row_sa, self._history, np.array([slot], np.int32), np.array([len(tokens)], np.int32),
-            np.zeros(1, np.int32), self._dry_bias([slot]))
-        return self._emit(slot, jax.device_get(out), 0)
+    def cancel(self, task: int) -> StepOutput | None:
+        """Drop the task, waiting or running; its final output ("abort"), or None if it is not live."""
+        return self.scheduler.cancel(task)
 
-    def step(self) -> list[tuple[str, StepOutput]]:
-        """One decode step for every live slot; returns (request_id, output) for each."""
-        live = [i for i, s in enumerate(self._slots) if s is not None]
-        if not live:
-            return []
-        active = np.array([s is not None for s in self._slots])
-        steps = np.array([s.n_generated if s else 0 for s in self._slots], np.int32)
-        n_cells = max(self._slots[i].n_prompt + self._slots[i].n_generated - 1 for i in live)
-        self.cache, logits = self._program("decode", 1, self._window(n_cells, self._decode_windows))(
-            self.weights, self.cache, self._next_tokens, active)
-        for i in live:
-            self._held[i].append(int(self._next_tokens[i]))
-        lengths = np.array([s.n_prompt + s.n_generated if s else 0 for s in self._slots], np.int32)
-        out, self._history = self._program("select", self.n_slots, 0)(
-            logits, self._sa, self._history, np.arange(self.n_slots, dtype=np.int32), lengths, steps,
-            self._dry_bias(range(self.n_slots)))
-        out = jax.device_get(out)
-        return [(self._slots[i].request.request_id, self._emit(i, out, i)) for i in live]
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
-    def cancel(self, request_id: str) -> StepOutput | None:
-        """Free the request's slot; returns its final output ("abort"), or None if it is not live."""
-        for i, s in enumerate(self._slots):
-            if s is not None and s.request.request_id == request_id:
-                self._slots[i] = None
-                return StepOutput(token=None, finish_reason=FinishReason.ABORT, prompt_tokens=s.n_prompt,
-                                  completion_tokens=s.n_generated)
-        return None
+    def reset(self) -> None:
+        self.scheduler.reset()
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def free_slots(self) -> int:
+        return self.max_seqs - len(self.scheduler.running)
 
     def generate(self, prompt_tokens: Sequence[int], params: SamplingParams | None = None,
                  request_id: str = "generate") -> Iterator[StepOutput]:
-        """One sequence, streamed: yields a StepOutput per token; the last has `finish_reason`."""
-        request = GenerateRequest(list(prompt_tokens), params or SamplingParams(), request_id)
-        out = self.submit(request)
+        """One sequence, streamed (beside whatever else is queued): yields a StepOutput per token; the
+        last has `finish_reason`. Tests and tools; the server drives `add` and `iterate` itself."""
+        task = self.add(GenerateRequest(list(prompt_tokens), params or SamplingParams(), request_id))
         try:
-            yield out
-            while out.finish_reason is None:
-                out = next(o for rid, o in self.step() if rid == request_id)
-                yield out
+            while True:
+                for t, out in self.iterate().outputs:
+                    if t == task:
+                        yield out
+                        if out.finish_reason is not None:
+                            return
         finally:
-            self.cancel(request_id)
+            self.cancel(task)
 
-    def _dry_bias(self, slots) -> np.ndarray:
-        """[len(slots), V] f32: DRY's penalties for the slots that ask for it, zeros elsewhere."""
-        slots = list(slots)
-        bias = np.zeros((len(slots), self.config.n_vocab), np.float32)
-        for row, i in enumerate(slots):
-            s = self._slots[i]
-            if s is None:
-                continue
+    # --- the scheduler's runner -------------------------------------------------------------------
+
+    def start_sequence(self, seq: SchedSequence) -> None:
+        row = np.zeros(self.n_ctx, np.int32)
+        row[:len(seq.tokens)] = seq.tokens
+        self._history = self._program("row", 0, 0)(self._history, np.int32(seq.slot), row)
+
+    def _table(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
+        table = np.zeros((rows, self.max_pages), np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.pages)] = seq.pages
+        return table
+
+    def prefill(self, seq: SchedSequence, n: int) -> jax.Array:
+        start = seq.n_computed
+        if start == 0:
+            t = min(self.prefill_chunk, _pow2_at_least(n, MIN_PREFILL_BUCKET))
+        else:
+            t = CONTINUE_BUCKET if n <= CONTINUE_BUCKET else self._chunk()
+        padded = np.zeros((1, t), np.int32)
+        padded[0, :n] = seq.tokens[start:start + n]
+        program = self._program("prefill", t, self._window_pages(start, self._prefill_windows))
+        self.pool, logits = program(self.weights, self.pool, padded, self._table([seq], 1),
+                                    np.array([start], np.int32), np.array([n], np.int32))
+        return logits
+
+    def decode(self, seqs: list[SchedSequence]) -> jax.Array:
+        b = next(x for x in self._batches if x >= len(seqs))
+        tokens, starts, n_new = (np.zeros(b, np.int32) for _ in range(3))
+        for i, seq in enumerate(seqs):
+            tokens[i], starts[i], n_new[i] = seq.next_token, seq.n_computed, 1
+        window = self._window_pages(int(starts.max()), self._decode_windows)
+        self.pool, logits = self._program("decode", b, window)(
+            self.weights, self.pool, tokens[:, None], self._table(seqs, b), starts, n_new)
+        return logits
+
+    def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> list[tuple[int, float | None, list]]:
+        b = logits.shape[0]
+        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
+        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
+        rows = np.full(b, self.max_seqs, np.int32)  # padding rows write to the spare row
+        lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, seq in enumerate(seqs):
+            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens), seq.completion.n_generated
+        out, self._history = self._program("select", b, 0)(logits, sa, self._history, rows, lengths, steps,
+                                                           self._dry_bias(seqs, b))
+        out = jax.device_get(out)
+        result = []
+        for i, seq in enumerate(seqs):
+            n_probs = seq.request.params.n_probs
+            top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i, :n_probs], out.top_logprobs[i, :n_probs],
+                                                        strict=True)]
+            result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
+        return result
+
+    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
+        """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere."""
+        bias = np.zeros((rows, self.config.n_vocab), np.float32)
+        for row, s in enumerate(seqs):
             p = s.request.params
             if not dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n):
                 continue
             last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
-            bias[row] = dry_bias(self._held[i], p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+            bias[row] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
                                  self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
         return bias
 
@@ -464,35 +467,41 @@ class Engine:
         return self._dry_restarts.get(breakers, lambda: restart_sequences(
             breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False)))
 
-    def _emit(self, slot: int, out: Sampled, row: int) -> StepOutput:
-        """Turn row `row` of a step's result into the slot's StepOutput; free the slot when it finishes."""
-        s = self._slots[slot]
-        token = int(out.tokens[row])
-        self._next_tokens[slot] = token
-        n_probs = s.request.params.n_probs
-        top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :n_probs], out.top_logprobs[row, :n_probs],
-                                                    strict=True)]
-        step = s.completion.push(token, float(out.logprob[row]) if n_probs > 0 else None, top)
-        if step.finish_reason is not None:
-            self._slots[slot] = None
-        return step
-
     # --- tests and tools ------------------------------------------------------------------------
 
-    def held_tokens(self, slot: int = 0) -> list[int]:
-        """The tokens whose KV slot `slot` holds (what the next prompt can reuse)."""
-        return list(self._held[slot])
-
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """Logits [T, V] for every position of `tokens`, one full forward pass in a scratch cache."""
+        """Logits [T, V] for every position of `tokens`, one full forward pass in a scratch pool."""
         n = len(tokens)
         t = _pow2_at_least(n, MIN_PREFILL_BUCKET)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = tokens
-        scratch = init_cache(self.config, 1, t)
-        logits, _ = forward(self.weights, scratch, padded, jnp.int32(0), np.array([n], np.int32),
-                            config=self.config, window=0, all_logits=True)
+        n_pages = -(-t // self.page_size)
+        scratch = init_pool(self.config, n_pages, self.page_size)
+        logits, _ = forward(self.weights, scratch, padded, np.arange(n_pages, dtype=np.int32)[None],
+                            np.zeros(1, np.int32), np.array([n], np.int32), config=self.config, window_pages=0,
+                            all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0) -> int:
+    """The KV pool's pages. kv_cache_bytes > 0: as many as fit in it. 0: on a GPU, 80% of what the
+    device's allocator has left after the weights (its limit is memory_fraction of the device); on a
+    CPU (no allocator to ask), `max_seqs` whole contexts. Never fewer than one whole context."""
+    per_page = page_bytes(config, page_size)
+    one_context = -(-n_ctx // page_size)
+    if kv_cache_bytes > 0:
+        n = kv_cache_bytes // per_page
+        if n < one_context:
+            raise EngineError(f"[engine] kv_cache_bytes = {kv_cache_bytes} holds {n} pages of {page_size} tokens; "
+                              f"one sequence of the whole context ({n_ctx} tokens) needs {one_context} "
+                              f"({one_context * per_page} bytes)")
+        return n
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return max(one_context, int(0.8 * left) // per_page)
+    return max_seqs * one_context
 
 
 @dataclass(frozen=True)
@@ -500,7 +509,7 @@ class _Specs:
     """The shapes, dtypes and placements of the engine's arrays: what lowering a program needs."""
 
     weights: Weights
-    cache: KVCache
+    pool: KVPool
     history: jax.ShapeDtypeStruct
     sa: ChainArrays
 
@@ -510,7 +519,12 @@ class _Specs:
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None),
                                         weak_type=getattr(a, "weak_type", False))
 
-        return cls(*(jax.tree.map(spec, x) for x in (engine.weights, engine.cache, engine._history, engine._sa)))
+        return cls(*(jax.tree.map(spec, x) for x in (engine.weights, engine.pool, engine._history, _idle_arrays())))
+
+
+def _idle_arrays() -> ChainArrays:
+    """A one-row ChainArrays: its dtypes are what lowering `select` needs."""
+    return chain_arrays([None], [0])
 
 
 def _return_freed_memory() -> None:

@@ -1,19 +1,24 @@
-"""The one thread that owns the device.
+"""The one thread that owns the device, and drives the engine's scheduler.
 
 A request's path through it: the gateway calls `submit(request, emit)`; the request waits in a FIFO
-queue; the thread runs `engine.generate(...)` one step at a time and hands each `StepOutput` to `emit`
-(the gateway's emit puts it on that request's own asyncio queue with `call_soon_threadsafe`). Between
-two steps the thread looks at the request's cancel flag, so a client that went away stops its
-generation within one decode step and frees the engine for the next request. Loading, warming and
-unloading a model run on this thread too (`call`), so nothing else ever touches device memory.
+queue; the thread hands it to the engine (`engine.add`, which checks it and queues it for a sequence),
+then runs `engine.iterate()` again and again -- each iteration admits what fits, runs a bounded chunk
+of prefill and one decode step for every running sequence (model/scheduler.py) -- and hands each
+`StepOutput` to its request's `emit` (the gateway's emit puts it on that request's own asyncio queue
+with `call_soon_threadsafe`). Before each iteration the thread looks at every live request's cancel
+flag, so a client that went away frees its sequence before the next step. Loading, warming and
+unloading a model run on this thread too (`call`), between iterations, so nothing else ever touches
+device memory.
 
-The thread also measures: it stamps each request's `Timeline` (queued, its turn, first token, first
-text, end) and reads the energy `meter` around each generation, and puts both on the final output, so
-the gateway's monitor never queues work here. `in_flight()` counts the requests running and waiting.
+The thread also measures: it stamps each request's `Timeline` (queued, admitted to a sequence, first
+token, first text, end) and reads the energy `meter` from admission to the end, and puts both on the
+final output, so the gateway's monitor never queues work here. `in_flight()` counts the requests
+running and waiting; `stats()` is the scheduler's last snapshot (`EngineStats`).
 
-Failures never hang a client: an exception inside one generation ends that request with
-`FinishReason.ERROR` and the reason; anything that kills the thread itself marks it failed, and every
-waiting and later job is answered with that reason at once.
+Failures never hang a client: a request the engine refuses ends at once with `FinishReason.ERROR` and
+the reason; an exception inside an iteration ends every running request with it (the engine drops
+their sequences and serves the next ones); anything that kills the thread itself marks it failed, and
+every waiting and later job is answered with that reason at once.
 
 No sanic here, and no jax import at module level: the gateway imports this module, and JAX is only
 imported by the engine the loader builds.
@@ -26,21 +31,44 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from bankml.errors import InvalidRequest
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
+from bankml.errors import InvalidRequest, Overloaded
+from model.messages import EngineStats, FinishReason, GenerateRequest, StepOutput, Timeline
 
 log = logging.getLogger(__name__)
 
 
-class GeneratingEngine(Protocol):
+@dataclass
+class Iteration:
+    """What one scheduler iteration did: the tasks it admitted to a sequence (with when), and one
+    output per sequence that produced a token (or ended)."""
+
+    admitted: list[tuple[int, float]] = field(default_factory=list)
+    outputs: list[tuple[int, StepOutput]] = field(default_factory=list)
+
+
+class BatchEngine(Protocol):
     """What the thread needs from an engine (model.engine.Engine has it)."""
 
-    def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
-                 request_id: str = "generate") -> Iterator[StepOutput]: ...
+    max_seqs: int
+
+    def add(self, request: GenerateRequest) -> int:
+        """Check `request` (InvalidRequest: refused, the message says why) and queue it; its task id."""
+
+    def cancel(self, task: int) -> StepOutput | None:
+        """Drop the task wherever it is; its final "abort" output, or None when it is not live."""
+
+    def has_work(self) -> bool: ...
+
+    def iterate(self) -> Iteration: ...
+
+    def reset(self) -> None:
+        """Drop every task (after an iteration failed): the pages and slots are free again."""
+
+    def stats(self) -> EngineStats: ...
 
 
 class EnergyMeter(Protocol):
@@ -66,6 +94,13 @@ class _Generate:
     emit: Emit
     queued_s: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # set on the thread once the engine has it
+    task: int = -1
+    engine: Any = None
+    started_s: float | None = None
+    first_token_s: float | None = None
+    first_text_s: float | None = None
+    meter: _Metering | None = None
 
 
 @dataclass
@@ -92,44 +127,62 @@ class Ticket:
 
 
 class EngineThread:
-    """A FIFO of jobs run one at a time on a single daemon thread.
+    """Jobs from a FIFO, run on a single daemon thread: calls one at a time, generations batched by the
+    engine's scheduler.
 
     `engine` is whatever the last `call` installed with `set_engine` (None: no model loaded); a
     generation submitted while it is None ends at once with an ERROR output. `meter` (None: energy
-    unmeasured) is set once, before the first request.
+    unmeasured) is set once, before the first request. `max_waiting`: generations queued for a sequence
+    beyond those running; `submit` refuses one more with `Overloaded`.
     """
 
-    def __init__(self, name: str = "bankml-engine"):
+    def __init__(self, name: str = "bankml-engine", max_waiting: int = 256):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders `failure` against enqueueing; guards the counts
-        self.engine: GeneratingEngine | None = None
+        self.engine: BatchEngine | None = None
         self.meter: EnergyMeter | None = None
         self.failure: str | None = None
-        self._running = 0
-        self._waiting = 0
+        self.max_waiting = max_waiting
+        self._live: dict[int, _Generate] = {}  # by task id: handed to the engine, not finished (thread only)
+        self._pending = 0  # submitted, not yet handed to the engine
+        self._stats: EngineStats | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # --- called from any thread ------------------------------------------------------------------
 
     def submit(self, request: GenerateRequest, emit: Emit) -> Ticket:
+        """Queue a generation. Raises Overloaded when `max_waiting` requests already wait."""
         job = _Generate(request, emit)
         with self._lock:
             failure = self.failure
             if failure is None:
-                self._waiting += 1
+                waiting = self._waiting_locked()
+                if waiting >= self.max_waiting:
+                    raise Overloaded(f"the server is busy: {waiting} requests are waiting for a sequence "
+                                     f"([engine] max_waiting = {self.max_waiting}); try again shortly")
+                self._pending += 1
                 self._jobs.put(job)
         if failure is not None:
             emit(_error(request, f"the engine thread stopped: {failure}"))
         return Ticket(job)
 
+    def _waiting_locked(self) -> int:
+        stats = self._stats
+        return self._pending + (stats.waiting if stats is not None else 0)
+
     def in_flight(self) -> tuple[int, int]:
         """(running, waiting) generations. A request's final output is emitted after it left them."""
         with self._lock:
-            return self._running, self._waiting
+            stats = self._stats
+            return (stats.running if stats is not None else 0), self._waiting_locked()
+
+    def stats(self) -> EngineStats | None:
+        """The scheduler's snapshot after its last iteration (None: no engine has run yet)."""
+        return self._stats
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn()` on the engine thread, after the jobs already queued; its result in a Future."""
+        """Run `fn()` on the engine thread, between two iterations; its result in a Future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             failure = self.failure
@@ -139,14 +192,19 @@ class EngineThread:
             future.set_exception(EngineThreadFailed(failure))
         return future
 
-    def set_engine(self, engine: GeneratingEngine | None) -> None:
-        """Install (or drop, with None) the engine; only from a function passed to `call`."""
+    def set_engine(self, engine: BatchEngine | None) -> None:
+        """Install (or drop, with None) the engine; only from a function passed to `call`. The requests
+        the old engine was serving end with an error."""
         if threading.current_thread() is not self._thread:
             raise RuntimeError("set_engine runs on the engine thread (pass it to call)")
+        if engine is not self.engine:
+            for job in list(self._live.values()):
+                self._finish(job, _error(job.request, "the model was unloaded while it answered"))
         self.engine = engine
+        self._publish(engine)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Finish the running job, drop the engine, end the thread."""
+        """Finish the running iteration, drop the engine, end the thread."""
         self._jobs.put(_STOP)
         self._thread.join(timeout_s)
 
@@ -161,25 +219,123 @@ class EngineThread:
         try:
             while True:
                 job = None
-                job = self._jobs.get()
-                if job is _STOP:
-                    self.engine = None
-                    return
-                if isinstance(job, _Call):
-                    self._run_call(job)
-                else:
-                    self._run_generate(job)
+                busy = self.engine is not None and (self._live or self.engine.has_work())
+                while True:  # everything queued now; when idle, wait for the next job
+                    try:
+                        job = self._jobs.get_nowait() if busy else self._jobs.get()
+                    except queue.Empty:
+                        break
+                    if job is _STOP:
+                        self._stop_live("the server is stopping")
+                        self.engine = None
+                        return
+                    if isinstance(job, _Call):
+                        self._run_call(job)
+                    else:
+                        self._take(job)
+                    job = None
+                    busy = self.engine is not None and (self._live or self.engine.has_work())
+                    if not busy:
+                        break
+                if busy:
+                    self._iterate(self.engine)
         except BaseException as e:  # the thread is dying: answer everyone, never leave them waiting
             why = _why(e)
             log.error("the engine thread stopped: %s", why)
             with self._lock:
                 self.failure = why
-            self.engine = None
             if isinstance(job, _Call) and not job.future.done():
                 job.future.set_exception(EngineThreadFailed(why))
-            elif isinstance(job, _Generate):
+            elif isinstance(job, _Generate) and job.task < 0:
                 job.emit(_error(job.request, why))
+            self._stop_live(why)
+            self.engine = None
             self._fail_waiting(why)
+
+    def _take(self, job: _Generate) -> None:
+        """Hand a submitted job to the engine, or answer it at once."""
+        with self._lock:
+            self._pending -= 1
+        if job.cancelled.is_set():
+            job.emit(StepOutput(token=None, finish_reason=FinishReason.ABORT))
+            return
+        engine = self.engine
+        if engine is None:
+            job.emit(_error(job.request, "no model is loaded"))
+            return
+        try:
+            job.task = engine.add(job.request)
+        except Exception as e:
+            job.emit(_error(job.request, _why(e)))
+            return
+        job.engine = engine
+        self._live[job.task] = job
+        self._publish(engine)
+
+    def _iterate(self, engine: BatchEngine) -> None:
+        """Cancel what was cancelled, run one iteration, hand out what it produced."""
+        for task, job in list(self._live.items()):
+            if job.cancelled.is_set():
+                out = engine.cancel(task) or StepOutput(token=None, finish_reason=FinishReason.ABORT)
+                log.info("%s aborted after %d tokens: its client went away", job.request.request_id,
+                         out.completion_tokens)
+                self._finish(job, replace(out, token=None, text="", finish_reason=FinishReason.ABORT))
+        if not engine.has_work():
+            self._publish(engine)
+            return
+        try:
+            it = engine.iterate()
+        except Exception as e:
+            log.exception("an engine iteration failed: its requests end with the error")
+            why = _why(e)
+            engine.reset()
+            for job in list(self._live.values()):
+                self._finish(job, _error(job.request, why))
+            self._publish(engine)
+            return
+        for task, at in it.admitted:
+            job = self._live.get(task)
+            if job is not None and job.started_s is None:
+                job.started_s = at
+                job.meter = _Metering(self.meter)
+        for task, out in it.outputs:
+            job = self._live.get(task)
+            if job is None:
+                continue
+            now = time.perf_counter()
+            if job.first_token_s is None:
+                job.first_token_s = now
+            if out.text and job.first_text_s is None:
+                job.first_text_s = now
+            if out.finish_reason is None:
+                job.emit(out)
+            else:
+                self._finish(job, out)
+        self._publish(engine)
+
+    def _finish(self, job: _Generate, out: StepOutput) -> None:
+        """The job's last output, stamped with its timeline and, when it completed, its energy."""
+        self._live.pop(job.task, None)
+        meter = job.meter or _Metering(None)
+        if job.started_s is not None:
+            now = time.perf_counter()
+            timeline = Timeline(job.queued_s, job.started_s, job.first_token_s or now, job.first_text_s, now)
+            if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                energy, why = meter.stop()
+                out = replace(out, timeline=timeline, energy=energy, energy_why=why)
+            else:
+                meter.cancel()
+                out = replace(out, timeline=timeline)
+        job.emit(out)
+
+    def _stop_live(self, why: str) -> None:
+        for job in list(self._live.values()):
+            self._finish(job, _error(job.request, why))
+
+    def _publish(self, engine: BatchEngine | None) -> None:
+        stats = engine.stats() if engine is not None else None
+        with self._lock:
+            self._stats = stats
 
     def _fail_waiting(self, why: str) -> None:
         while True:
@@ -190,13 +346,9 @@ class EngineThread:
             if isinstance(job, _Call):
                 job.future.set_exception(EngineThreadFailed(why))
             elif isinstance(job, _Generate):
-                self._count(waiting=-1)
+                with self._lock:
+                    self._pending -= 1
                 job.emit(_error(job.request, f"the engine thread stopped: {why}"))
-
-    def _count(self, *, running: int = 0, waiting: int = 0) -> None:
-        with self._lock:
-            self._running += running
-            self._waiting += waiting
 
     @staticmethod
     def _run_call(job: _Call) -> None:
@@ -206,69 +358,6 @@ class EngineThread:
             job.future.set_result(job.fn())
         except Exception as e:
             job.future.set_exception(e)
-
-    def _run_generate(self, job: _Generate) -> None:
-        self._count(waiting=-1)
-        if job.cancelled.is_set():
-            job.emit(StepOutput(token=None, finish_reason=FinishReason.ABORT))
-            return
-        engine = self.engine
-        if engine is None:
-            job.emit(_error(job.request, "no model is loaded"))
-            return
-        self._count(running=1)
-        try:  # leaves the count before the final output goes out, and when the thread dies
-            last = self._generate(job, engine)
-        finally:
-            self._count(running=-1)
-        job.emit(last)
-
-    def _generate(self, job: _Generate, engine: GeneratingEngine) -> StepOutput:
-        """Emit a generation's outputs but the last, which it returns stamped with its timeline and,
-        when it completed, its energy."""
-        request = job.request
-        started_s = time.perf_counter()
-        meter = _Metering(self.meter)
-        try:
-            steps = engine.generate(request.prompt_tokens, request.params,
-                                    request_id=request.request_id or "generate")
-        except Exception as e:
-            meter.cancel()
-            return _error(request, _why(e))
-        first_token_s: float | None = None
-        first_text_s: float | None = None
-        try:
-            while True:
-                try:
-                    out = next(steps)
-                except StopIteration:
-                    # a generator that ends without a finish reason is an engine bug: say so
-                    meter.cancel()
-                    return _error(request, "the engine ended the generation without a finish reason")
-                except Exception as e:
-                    log.exception("generation failed")
-                    meter.cancel()
-                    return _error(request, _why(e))
-                now = time.perf_counter()
-                if first_token_s is None:
-                    first_token_s = now
-                if out.text and first_text_s is None:
-                    first_text_s = now
-                if out.finish_reason is None and job.cancelled.is_set():
-                    job.emit(out)
-                    log.info("%s aborted after %d tokens: its client went away", request.request_id,
-                             out.completion_tokens)
-                    out = replace(out, token=None, text="", finish_reason=FinishReason.ABORT)
-                if out.finish_reason is not None:
-                    timeline = Timeline(job.queued_s, started_s, first_token_s, first_text_s, now)
-                    if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                        energy, why = meter.stop()
-                        return replace(out, timeline=timeline, energy=energy, energy_why=why)
-                    meter.cancel()
-                    return replace(out, timeline=timeline)
-                job.emit(out)
-        finally:
-            steps.close()  # frees the engine's slot (Engine.generate cancels in its finally)
 
 
 class _Metering:
@@ -315,14 +404,15 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def load_engine(path: str, *, n_ctx: int, n_slots: int, prefill_chunk: int,
-                compile_cache_dir: str | None) -> tuple[Any, str]:
+def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
+                kv_cache_bytes: int = 0, page_size: int = 16) -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine"."""
     import jax
 
     from model.engine import Engine
 
-    engine = Engine.load(path, verified=True, n_ctx=n_ctx, n_slots=n_slots, warmup=False,
-                         prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir)
+    engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
+                         prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
+                         kv_cache_bytes=kv_cache_bytes, page_size=page_size)
     return engine, f"JAX {jax.__version__} on {jax.default_backend()}"

@@ -1,12 +1,13 @@
-"""The forward pass: a batch of token rows through every layer, attending to the KV cache.
+"""The forward pass: a batch of token rows through every layer, attending to the paged KV cache.
 
-One function serves prefill and decode. Row b of `tokens [B, T]` continues cache slot `slot0 + b`
-from position `cache.lengths[slot0 + b]`; its first `n_new[b]` tokens are real (0: an inactive slot,
-computed and thrown away so the shapes never change). Layers run under one `lax.scan` over the layer
-index, each matmul reading its layer from the stacked weights; per-layer differences (gemma3's sliding
-window and rope base) are scanned arrays. Each layer attends to the cached cells [0, window) of its
-slot -- `window` is a static bucket the caller picks above the longest prefix -- plus
-the new tokens, causally; all new K/V are scattered into the cache in one write at the end. The float
+One function serves prefill and decode. Row b of `tokens [B, T]` continues the sequence whose pages
+`table[b]` lists, from position `starts[b]`; its first `n_new[b]` tokens are real (0: a padding row,
+computed and thrown away so the shapes never change; its writes are dropped). Layers run under one
+`lax.scan` over the layer index, each matmul reading its layer from the stacked weights; per-layer
+differences (gemma3's sliding window and rope base) are scanned arrays. Each layer attends to the
+cells of the first `window_pages` pages of its row's table (valid below `starts[b]`) -- a static
+bucket the caller picks above the longest prefix -- plus the new tokens, causally; all new K/V are
+scattered into their pages in one write at the end. The float
 rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
 exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
 llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from model.config import Config
-from model.kvcache import KVCache
+from model.kvcache import KVPool
 from model.packed import Packed, take_rows
 from model.packed import linear as packed_linear
 from model.rope import apply_rope, rope_tables
@@ -56,8 +57,8 @@ def embed(weights: Weights, tokens: jax.Array, config: Config) -> jax.Array:
 def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config: Config):
     """Scaled dot-product attention over cached cells plus the new tokens (causal).
 
-    q [B, T, H, Dh]; k_new, v_new [B, T, Hkv, Dh]; k_old [B, Hkv, W, Dh] and v_old [B, Hkv, Dh, W], or
-    None (W = 0);
+    q [B, T, H, Dh]; k_new, v_new [B, T, Hkv, Dh]; k_old and v_old [B, Wp, Hkv, P, Dh], a row's first Wp
+    pages in order (cell w = n*P + p is position w), or None (no cached cells);
     starts [B] (cells valid below it); positions [B, T]. Returns [B, T, H*Dh].
     """
     b, t, _, dh = q.shape
@@ -71,16 +72,18 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
         new_ok &= ~is_swa | (t_idx[:, None] - t_idx[None, :] < config.n_swa)
     scores = [jnp.where(new_ok, jnp.einsum("btkgd,bskd->bkgts", qg, k_new), -jnp.inf)]  # [B, K, G, T, T]
     if k_old is not None:
-        w_idx = jnp.arange(k_old.shape[2])
+        n_old, page = k_old.shape[1], k_old.shape[3]
+        w_idx = jnp.arange(n_old * page)
         old_ok = w_idx[None, None, :] < starts[:, None, None]  # [B, 1, W]
         if config.n_swa:
             old_ok = old_ok & (~is_swa | (positions[:, :, None] - w_idx[None, None, :] < config.n_swa))  # [B, T, W]
-        old = jnp.einsum("btkgd,bkwd->bkgtw", qg, k_old)  # [B, K, G, T, W]
+        old = jnp.einsum("btkgd,bnkpd->bkgtnp", qg, k_old).reshape(b, config.n_head_kv, config.n_group, t, -1)
         scores.insert(0, jnp.where(old_ok[:, None, None], old, -jnp.inf))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -t:], v_new)
     if k_old is not None:
-        out = out + jnp.einsum("bkgtw,bkdw->btkgd", probs[..., :-t], v_old)
+        p_old = probs[..., :-t].reshape(*probs.shape[:-1], k_old.shape[1], k_old.shape[3])  # [B, K, G, T, Wp, P]
+        out = out + jnp.einsum("bkgtnp,bnkpd->btkgd", p_old, v_old)
     return out.reshape(b, t, config.n_head * dh)
 
 
@@ -134,47 +137,51 @@ def output_logits(weights: Weights, x: jax.Array, config: Config) -> jax.Array:
     return logits
 
 
-@partial(jax.jit, static_argnames=("config", "window", "all_logits"), donate_argnames=("cache",))
-def forward(weights: Weights, cache: KVCache, tokens: jax.Array, slot0: jax.Array, n_new: jax.Array, *,
-            config: Config, window: int, all_logits: bool = False) -> tuple[jax.Array, KVCache]:
-    """Run `tokens [B, T]` for slots slot0..slot0+B-1 and append their real tokens to the cache.
+@partial(jax.jit, static_argnames=("config", "window_pages", "all_logits"), donate_argnames=("pool",))
+def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array, starts: jax.Array,
+            n_new: jax.Array, *, config: Config, window_pages: int,
+            all_logits: bool = False) -> tuple[jax.Array, KVPool]:
+    """Run `tokens [B, T]` (row b from position starts[b], through the pages `table [B, max_pages]`
+    lists) and write their real tokens' K/V into those pages.
 
-    window: attend to cached cells [0, window) of each slot; must cover every row's start (0: the rows
-    start at position 0 and the cache is not read). Returns (logits, cache): logits [B, V] at each
-    row's last real token, or [B, T, V] when `all_logits`.
+    window_pages: attend to the cells of each row's first `window_pages` pages; they must cover every
+    row's start (0: every row starts at position 0 and no cell is read). Returns (logits, pool):
+    logits [B, V] at each row's last real token, or [B, T, V] when `all_logits`.
     """
     b, t = tokens.shape
-    starts = lax.dynamic_slice_in_dim(cache.lengths, slot0, b)  # [B]
+    n_pages, page = pool.n_pages, pool.page_size
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     x = embed(weights, tokens, config)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
     is_swa = jnp.asarray(config.swa_layers, dtype=bool)
+    window = table[:, :window_pages]  # [B, Wp]
 
     def body(x, xs):
         layer_swa, il = xs
         k_old = v_old = None
-        if window:
-            at, h, dh = (il, slot0, 0, 0, 0), config.n_head_kv, config.head_dim
-            k_old = lax.dynamic_slice(cache.k, at, (1, b, h, window, dh))[0].astype(jnp.float32)  # [B, Hkv, W, Dh]
-            v_old = lax.dynamic_slice(cache.v, at, (1, b, h, dh, window))[0].astype(jnp.float32)  # [B, Hkv, Dh, W]
+        if window_pages:  # one gather per layer: the row's pages, in order
+            k_old = pool.k[il, window].astype(jnp.float32)  # [B, Wp, Hkv, P, Dh]
+            v_old = pool.v[il, window].astype(jnp.float32)
         x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config,
-                         cache.k.dtype)
+                         pool.k.dtype)
         return x, (k, v)
 
     # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)
     # every layer's weights out of the stack on each step.
     x, (k_new, v_new) = lax.scan(body, x, (is_swa, jnp.arange(config.n_layer)))
 
-    # One scatter for all layers: row b's token j goes to cell starts[b] + j of its slot. Cells past the
-    # buffer (padding of a last chunk) are dropped; padding inside it lies past the new length.
-    slots = (slot0 + jnp.arange(b))[:, None]  # [B, 1]
+    # One scatter for all layers: row b's token j goes to cell (p % P) of page table[b, p // P], p its
+    # position. Padding tokens and positions past the table go to page n_pages, which is dropped.
+    slot = positions // page
+    real = (jnp.arange(t)[None, :] < n_new[:, None]) & (slot < table.shape[1])
+    pages = jnp.where(real, jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1), n_pages)
+    cells = positions % page
     # advanced indices around a slice put their dims first: the target is [B, T, L, Hkv, Dh]
-    k_all = cache.k.at[:, slots, :, positions].set(jnp.moveaxis(k_new, 0, 2).astype(cache.k.dtype), mode="drop")
-    v_all = cache.v.at[:, slots, :, :, positions].set(jnp.moveaxis(v_new, 0, 2).astype(cache.v.dtype), mode="drop")
-    lengths = lax.dynamic_update_slice_in_dim(cache.lengths, starts + n_new, slot0, axis=0)
-    cache = KVCache(k_all, v_all, lengths)
+    k_all = pool.k.at[:, pages, :, cells].set(jnp.moveaxis(k_new, 0, 2).astype(pool.k.dtype), mode="drop")
+    v_all = pool.v.at[:, pages, :, cells].set(jnp.moveaxis(v_new, 0, 2).astype(pool.v.dtype), mode="drop")
+    pool = KVPool(k_all, v_all)
 
     if all_logits:
-        return output_logits(weights, x, config), cache
+        return output_logits(weights, x, config), pool
     last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
-    return output_logits(weights, last, config), cache
+    return output_logits(weights, last, config), pool

@@ -1,13 +1,14 @@
-"""The KV cache: one fixed-shape buffer for every slot, so neither prefill nor decode ever recompiles.
+"""The paged KV cache on the device: one pool of pages, shared by every sequence, fixed at start.
 
-k: [n_layer, n_slots, Hkv, S, Dh] and v: [n_layer, n_slots, Hkv, Dh, S] (S = n_ctx), f16 as llama.cpp's
-default cache (half the bytes a decode step reads; attention computes in f32): each is laid
-out the way its attention product reads it (Q.K contracts Dh, P.V contracts the cells), so a layer's
-window of cells is copied out without a transpose (a transposed window cost more than the whole
-attention on XLA:CPU). `lengths[slot]` counts the valid positions: a cell at
-position p of a slot is valid iff p < lengths[slot]. The forward pass reads cells with `lengths` as the
-mask and writes new cells in one scatter at the end of a step; callers donate the cache to the jitted
-step so the write is in place.
+k and v: [n_layer, n_pages, Hkv, page_size, Dh], f16 as llama.cpp's default cache (half the bytes a
+decode step reads; attention computes in f32). A sequence's cells are found through its block table,
+[max_pages] page ids in order (model/pages.py keeps which page belongs to whom): position p is cell
+p % page_size of page table[p // page_size]. The forward pass gathers a window of a sequence's pages
+per layer and scatters the new K/V into them in one write at the end of a step; callers donate the
+pool to the jitted step, so the write is in place. Nothing here knows which sequence is which: the
+block tables and the starting positions come with every step, as arrays.
+
+The layout is the one the GPU kernels read (a page is a contiguous [page_size, Dh] tile per head).
 """
 
 from __future__ import annotations
@@ -22,19 +23,24 @@ from model.config import Config
 
 @jax.tree_util.register_dataclass
 @dataclass
-class KVCache:
-    k: jax.Array  # [L, B_slots, Hkv, S, Dh]
-    v: jax.Array  # [L, B_slots, Hkv, Dh, S]
-    lengths: jax.Array  # [B_slots] int32
+class KVPool:
+    k: jax.Array  # [L, n_pages, Hkv, page_size, Dh]
+    v: jax.Array  # [L, n_pages, Hkv, page_size, Dh]
 
     @property
-    def n_slots(self) -> int:
+    def n_pages(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
 
-def init_cache(config: Config, n_slots: int, n_ctx: int, dtype: jnp.dtype = jnp.float16) -> KVCache:
-    n_layer, h, dh = config.n_layer, config.n_head_kv, config.head_dim
-    return KVCache(k=jnp.zeros((n_layer, n_slots, h, n_ctx, dh), dtype),
-                   v=jnp.zeros((n_layer, n_slots, h, dh, n_ctx), dtype),
-                   lengths=jnp.zeros((n_slots,), jnp.int32))
 
+def page_bytes(config: Config, page_size: int, dtype: jnp.dtype = jnp.float16) -> int:
+    """The device bytes of one page, K and V of every layer."""
+    return 2 * config.n_layer * config.n_head_kv * page_size * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def init_pool(config: Config, n_pages: int, page_size: int, dtype: jnp.dtype = jnp.float16) -> KVPool:
+    shape = (config.n_layer, n_pages, config.n_head_kv, page_size, config.head_dim)
+    return KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))

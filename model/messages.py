@@ -185,3 +185,41 @@ class StepOutput:
     @property
     def ttft_ms(self) -> float | None:
         return self.timeline.ttft_ms if self.timeline is not None else None
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """One sequence slot of the engine, as `GET /slots` shows it (llama-server's shape is built from it)."""
+
+    id: int  # the slot: its row of the token history
+    id_task: int  # the request it serves (-1: idle)
+    is_processing: bool
+    n_ctx: int
+    n_prompt: int = 0
+    n_cached: int = 0  # prompt tokens served from the prefix cache
+    n_decoded: int = 0
+    n_remain: int = -1  # tokens left before max_tokens (-1: no limit)
+    prefilling: bool = False  # its prompt is not yet all computed
+    params: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler, published after each iteration; safe to read from any thread."""
+
+    max_seqs: int = 0
+    running: int = 0  # sequences holding a slot (prefilling or decoding)
+    waiting: int = 0  # admitted to the engine, waiting for a slot and pages (preempted ones included)
+    page_size: int = 0
+    pages_total: int = 0
+    pages_used: int = 0  # held by running sequences
+    pages_cached: int = 0  # free, but still holding a cached prefix (evicted first-in-LRU when needed)
+    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_hits_tokens: int = 0  # of those, tokens served from cached pages
+    preemptions: int = 0  # sequences preempted for pages (cumulative)
+    iterations: int = 0
+    sequences: tuple[SequenceState, ...] = ()
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.pages_used / self.pages_total if self.pages_total else 0.0

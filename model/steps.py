@@ -1,10 +1,11 @@
-"""The compiled entry points: `prefill` (one slot, a padded chunk), `decode_step` (every slot) and
+"""The compiled entry points: `run` (a prefill chunk of one sequence, or a decode step of many) and
 `select` (sampling from their logits).
 
-Static under jit: the config, the padded shapes and the attention window bucket. Everything that
-changes per request or per token -- tokens, slots, positions, sampling parameters, seeds -- is an
-array, so the set of compiled programs is fixed at start-up (`Engine.warmup` compiles them all).
-The cache is donated: each call consumes it and returns the updated one, written in place. Logits
+Static under jit: the config, the padded shapes and the attention window bucket (in pages).
+Everything that changes per request or per token -- tokens, block tables, positions, sampling
+parameters, seeds -- is an array, so the set of compiled programs is fixed at start-up
+(`Engine.warmup` compiles them all). The KV pool is donated: each call consumes it and returns the
+updated one, written in place. Logits
 stay on the device between a forward program and `select`; only the sampled ids and logprobs travel.
 """
 
@@ -14,12 +15,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from model.config import Config
 from model.forward import forward
-from model.kvcache import KVCache
+from model.kvcache import KVPool
 from model.sampler_chain import ChainArrays, sample_chain
 from model.sampling import logprobs
 from model.weights import Weights
@@ -55,29 +55,18 @@ def select(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Arr
 
 @partial(jax.jit, donate_argnames=("history",))
 def put_row(history: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
-    """A new prompt's tokens into `history[slot]` (row [n_ctx], zero-padded)."""
+    """A new sequence's tokens into `history[slot]` (row [n_ctx], zero-padded)."""
     return lax.dynamic_update_slice_in_dim(history, row[None], slot, 0)
 
 
-@partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
-def prefill(weights: Weights, cache: KVCache, tokens: jax.Array, slot: jax.Array, start: jax.Array,
-            n_new: jax.Array, *, config: Config, window: int) -> tuple[KVCache, jax.Array]:
-    """Write one chunk `tokens [1, T]` (n_new real) into `slot` from position `start`.
+@partial(jax.jit, static_argnames=("config", "window_pages"), donate_argnames=("pool",))
+def run(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array, starts: jax.Array,
+        n_new: jax.Array, *, config: Config, window_pages: int) -> tuple[KVPool, jax.Array]:
+    """One forward step of B rows of T tokens: a prefill chunk (B = 1) or a decode step (T = 1).
 
-    The slot's cells at `start` and beyond are discarded first (a new prompt, or the part of an old
-    one that no longer matches). `window` >= start; 0 when start is 0. Returns the logits [1, V]
-    after the chunk's last real token.
+    Row b writes its `n_new[b]` real tokens from position `starts[b]` into the pages `table[b]` lists
+    (0: a padding row, nothing written); `window_pages` covers every row's start (0 when all start at
+    position 0). Returns the pool and the logits [B, V] after each row's last real token.
     """
-    cache = KVCache(cache.k, cache.v, lax.dynamic_update_slice_in_dim(cache.lengths, start[None], slot, 0))
-    logits, cache = forward(weights, cache, tokens, slot, n_new, config=config, window=window)
-    return cache, logits
-
-
-@partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
-def decode_step(weights: Weights, cache: KVCache, tokens: jax.Array, active: jax.Array, *, config: Config,
-                window: int) -> tuple[KVCache, jax.Array]:
-    """One token for every slot: tokens [B_slots], active [B_slots] bool (inactive rows are masked).
-    Returns the logits [B_slots, V]."""
-    logits, cache = forward(weights, cache, tokens[:, None], jnp.int32(0), active.astype(jnp.int32),
-                            config=config, window=window)
-    return cache, logits
+    logits, pool = forward(weights, pool, tokens, table, starts, n_new, config=config, window_pages=window_pages)
+    return pool, logits

@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Iterator
 
+from batch_adapter import GeneratorBatch
+
 from model.messages import FinishReason, SamplingParams, StepOutput
 
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
@@ -36,16 +38,12 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
 
 
-class FakeEngine:
+class FakeEngine(GeneratorBatch):
     def __init__(self, n_ctx: int = 4096, step_s: float = 0.002):
+        super().__init__()
         self.tokenizer = FakeTokenizer()
         self.n_ctx = n_ctx
         self.step_s = step_s
-        self.n_slots = 1  # what the limiter reads, as on the real engine
-        self._live = 0
-
-    def free_slots(self) -> int:
-        return self.n_slots - self._live
 
     def warmup(self) -> float:
         return 0.25
@@ -58,7 +56,6 @@ class FakeEngine:
             raise EngineDeath("the fake engine thread was told to die")
         pieces = ["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail else REPLY_PIECES
         n, how = 0, "aborted"
-        self._live += 1
         try:
             for i, piece in enumerate(pieces):
                 if "FAIL" in tail and i == 3:
@@ -76,7 +73,6 @@ class FakeEngine:
                 if finish is not None:
                     return
         finally:
-            self._live -= 1
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
 
 

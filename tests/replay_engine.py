@@ -13,6 +13,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from batch_adapter import GeneratorBatch
+
 from bankml.errors import InvalidRequest
 from model.completion import Completion
 from model.messages import SamplingParams, StepOutput
@@ -21,17 +23,13 @@ from model.tokenizer import Tokenizer
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "parity_smollm2.json"
 
 
-class ReplayEngine:
+class ReplayEngine(GeneratorBatch):
     def __init__(self, model_path: str | Path, fixture: Path = FIXTURE, n_ctx: int | None = None):
+        super().__init__()
         data = json.loads(Path(fixture).read_text())
         self.tokenizer = Tokenizer.from_gguf(model_path)
         self.n_ctx = n_ctx or int(data["n_ctx"])
-        self.n_slots = 1
-        self._live = 0
         self.traces = {tuple(t["prompt_tokens"]): t for t in data["traces"].values()}
-
-    def free_slots(self) -> int:
-        return self.n_slots - self._live
 
     def warmup(self) -> float:
         return 0.0
@@ -46,18 +44,14 @@ class ReplayEngine:
             raise InvalidRequest("the replay engine has no recorded trace for this prompt")
         done = Completion(self.tokenizer, params, n_prompt=len(prompt_tokens), n_ctx=self.n_ctx,
                           eog_ids=self.tokenizer.eog_ids)
-        self._live += 1
-        try:
-            for i, token in enumerate(trace["tokens"]):
-                probs = trace["probs"].get(str(i))
-                top = [(int(t), float(lp)) for t, lp in probs["top"][:params.n_probs]] if probs else ()
-                out = done.push(token, probs["logprob"] if probs else None, top)
-                yield out
-                if out.finish_reason is not None:
-                    return
-            raise InvalidRequest("the recorded trace ran out before the generation finished")
-        finally:
-            self._live -= 1
+        for i, token in enumerate(trace["tokens"]):
+            probs = trace["probs"].get(str(i))
+            top = [(int(t), float(lp)) for t, lp in probs["top"][:params.n_probs]] if probs else ()
+            out = done.push(token, probs["logprob"] if probs else None, top)
+            yield out
+            if out.finish_reason is not None:
+                return
+        raise InvalidRequest("the recorded trace ran out before the generation finished")
 
 
 def replay_loader(fixture: Path = FIXTURE, n_ctx: int | None = None):

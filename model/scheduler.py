@@ -1,0 +1,272 @@
+"""The scheduler: which sequences run, which wait, and what each iteration computes.
+
+Driven by the engine thread, one `iterate()` at a time; each iteration, top to bottom:
+
+1. **Admit** waiting sequences, first come first served, while a sequence slot is free and the pages
+   its prompt needs can be had. A prompt first takes the longest chain of cached pages it shares with
+   any earlier sequence (model/pages.py, vLLM's automatic prefix caching) and computes only the rest;
+   at least its last token is always computed, for the logits of the next one. The head of the queue
+   that does not fit waits, and so does everyone behind it.
+2. **Prefill**, at most `prefill_budget` prompt tokens in all, in chunks, oldest sequence first: a long
+   prompt costs the running streams one chunk per iteration, never its whole length. A sequence whose
+   prompt is done samples its first token.
+3. **Decode** one token for every sequence past its prompt, in one batched step. A sequence whose next
+   token starts a new page takes one; when none is left, the most recently admitted sequence is
+   preempted (its pages freed, its full pages kept in the prefix cache, itself put back at the head of
+   the queue to be computed again later), so the pool never runs out and nothing deadlocks.
+4. **Hand out** one `StepOutput` per sampled token; a sequence that finished frees its slot and pages.
+
+The device work is the runner's (model/engine.py): it owns the compiled programs, the KV pool and
+the token history; this module owns every decision and all the bookkeeping, and imports no jax.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from model.completion import Completion
+from model.engine_thread import Iteration
+from model.messages import EngineStats, FinishReason, GenerateRequest, SequenceState, StepOutput
+from model.pages import ROOT_DIGEST, PagePool, chain_digest
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's sequence: its tokens, where their K/V live, and its host side (`completion`)."""
+
+    task: int
+    request: GenerateRequest
+    seed: int
+    completion: Completion
+    tokens: list[int]  # the prompt, then every sampled token
+    next_token: int | None = None  # the last sampled token, whose K/V is not computed yet
+    n_computed: int = 0  # tokens whose K/V are in `pages`
+    pages: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # keys of the full pages of `tokens`, in order
+    n_published: int = 0  # full pages offered to the prefix cache
+    slot: int = -1  # its row of the token history while it runs
+    admitted_s: float | None = None  # its first admission
+
+    @property
+    def target(self) -> int:
+        """The tokens to compute before the next decode step: all of them but an unseen next token."""
+        return len(self.tokens) - (self.next_token is not None)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_computed < self.target
+
+
+class Runner(Protocol):
+    """The device side the scheduler drives (model.engine.Engine)."""
+
+    def start_sequence(self, seq: Sequence) -> None:
+        """A newly admitted sequence's tokens into its slot's row of the token history."""
+
+    def prefill(self, seq: Sequence, n: int) -> Any:
+        """Compute `seq`'s next `n` prompt tokens from `seq.n_computed`; the logits after the last."""
+
+    def decode(self, seqs: list[Sequence]) -> Any:
+        """One token for each of `seqs` (its `next_token`, at position `n_computed`); their logits."""
+
+    def sample(self, seqs: list[Sequence], logits: Any) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
+        """The next token of each of `seqs` from its row of `logits`: (token, logprob, top)."""
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, pool: PagePool, *, max_seqs: int, n_ctx: int, prefill_budget: int):
+        self.runner = runner
+        self.pool = pool
+        self.max_seqs = max_seqs
+        self.n_ctx = n_ctx
+        self.page_size = pool.page_size
+        self.max_pages = -(-n_ctx // pool.page_size)  # one sequence's pages at most
+        if pool.n_pages < self.max_pages:
+            raise ValueError(f"the KV pool has {pool.n_pages} pages of {pool.page_size} tokens; one sequence "
+                             f"of the whole context ({n_ctx} tokens) needs {self.max_pages}")
+        self.prefill_budget = prefill_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self._free_slots = list(range(max_seqs - 1, -1, -1))  # popped from the end: slot 0 first
+        self._next_task = 0
+        self.preemptions = 0
+        self.iterations = 0
+
+    # --- requests ----------------------------------------------------------------------------------
+
+    def add(self, request: GenerateRequest, seed: int, completion: Completion) -> int:
+        seq = Sequence(self._next_task, request, seed, completion, [int(t) for t in request.prompt_tokens])
+        self._next_task += 1
+        self.waiting.append(seq)
+        return seq.task
+
+    def cancel(self, task: int) -> StepOutput | None:
+        for seq in self.waiting:
+            if seq.task == task:
+                self.waiting.remove(seq)
+                return self._abort(seq)
+        for seq in self.running:
+            if seq.task == task:
+                self._leave(seq)
+                return self._abort(seq)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset(self) -> None:
+        """Drop every sequence and every cached page (the device's pool may hold anything now)."""
+        for seq in list(self.running):
+            self._leave(seq)
+        self.waiting.clear()
+        self.pool.clear()
+
+    # --- one iteration -----------------------------------------------------------------------------
+
+    def iterate(self) -> Iteration:
+        it = Iteration()
+        self.iterations += 1
+
+        # 1. admit, first come first served
+        while self.waiting and self._free_slots:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.admitted_s is None:
+                seq.admitted_s = time.perf_counter()
+                it.admitted.append((seq.task, seq.admitted_s))
+
+        # 2. prefill, a bounded number of tokens, oldest first
+        budget = self.prefill_budget
+        for seq in [s for s in self.running if s.prefilling]:
+            if budget <= 0:
+                break
+            n = min(seq.target - seq.n_computed, budget)
+            logits = self.runner.prefill(seq, n)
+            seq.n_computed += n
+            budget -= n
+            self._publish(seq)
+            if not seq.prefilling and seq.next_token is None:  # the prompt is done: its first token
+                [(token, logprob, top)] = self.runner.sample([seq], logits)
+                it.outputs.append((seq.task, self._push(seq, token, logprob, top)))
+
+        # 3. decode one token for every sequence past its prompt; preempt for pages when needed
+        rows = [s for s in self.running if not s.prefilling]
+        for seq in list(rows):
+            if seq not in self.running:  # preempted for an earlier row's page
+                continue
+            while seq.n_computed // self.page_size >= len(seq.pages):
+                page = self.pool.take(1)
+                if page is not None:
+                    seq.pages += page
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim in rows:
+                    rows.remove(victim)
+                if victim is seq:
+                    break
+        if rows:
+            logits = self.runner.decode(rows)
+            for seq in rows:
+                seq.n_computed += 1
+                self._publish(seq)
+            for seq, (token, logprob, top) in zip(rows, self.runner.sample(rows, logits), strict=True):
+                it.outputs.append((seq.task, self._push(seq, token, logprob, top)))
+        return it
+
+    # --- the steps' parts --------------------------------------------------------------------------
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Give `seq` a slot and pages (cached ones first) for everything it must compute and its next
+        token; False, with nothing taken, when the pool cannot."""
+        target, page = seq.target, self.page_size
+        # at least one token is computed when the next token must be sampled from its logits
+        n_shareable = (target if seq.next_token is not None else target - 1) // page
+        cached: list[int] = []
+        if seq.request.params.cache_prompt and n_shareable:
+            cached = self.pool.match(self._digests(seq, n_shareable), len(seq.tokens))
+        own = self.pool.take(min(self.max_pages, -(-(target + 1) // page)) - len(cached))
+        if own is None:
+            self.pool.unmatch(cached, len(seq.tokens))
+            return False
+        seq.pages, seq.n_computed = cached + own, len(cached) * page
+        seq.n_published = len(cached)
+        if seq.admitted_s is None:
+            seq.completion.n_cached = seq.n_computed
+        seq.slot = self._free_slots.pop()
+        self.runner.start_sequence(seq)
+        return True
+
+    def _digests(self, seq: Sequence, n_pages: int) -> list[bytes]:
+        """The keys of `seq`'s first `n_pages` full pages, extending the ones already computed."""
+        page = self.page_size
+        while len(seq.digests) < n_pages:
+            i = len(seq.digests)
+            seq.digests.append(chain_digest(seq.digests[-1] if i else ROOT_DIGEST, seq.tokens[i * page:(i + 1) * page]))
+        return seq.digests[:n_pages]
+
+    def _publish(self, seq: Sequence) -> None:
+        """Offer the pages `seq` has just filled to the prefix cache."""
+        n_full = seq.n_computed // self.page_size
+        if n_full > seq.n_published:
+            for i, digest in enumerate(self._digests(seq, n_full)[seq.n_published:], seq.n_published):
+                self.pool.publish(seq.pages[i], digest)
+            seq.n_published = n_full
+
+    def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
+        out = seq.completion.push(token, logprob, top)
+        if out.finish_reason is not None:
+            self._leave(seq)
+        else:
+            seq.tokens.append(token)
+            seq.next_token = token
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s slot and pages and put it back at the head of the queue; it is computed again
+        (mostly from the prefix cache, if its pages are still there) when it is admitted next."""
+        self._leave(seq)
+        seq.n_computed = 0
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.n_published = [], 0
+        self._free_slots.append(seq.slot)
+        seq.slot = -1
+
+    @staticmethod
+    def _abort(seq: Sequence) -> StepOutput:
+        return StepOutput(token=None, finish_reason=FinishReason.ABORT, prompt_tokens=seq.completion.n_prompt,
+                          completion_tokens=seq.completion.n_generated, cached_tokens=seq.completion.n_cached)
+
+    # --- seen from outside -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        by_slot = {s.slot: s for s in self.running}
+        states = []
+        for slot in range(self.max_seqs):
+            seq = by_slot.get(slot)
+            if seq is None:
+                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx))
+                continue
+            c, max_tokens = seq.completion, seq.request.params.max_tokens
+            states.append(SequenceState(
+                id=slot, id_task=seq.task, is_processing=True, n_ctx=self.n_ctx, n_prompt=c.n_prompt,
+                n_cached=c.n_cached, n_decoded=c.n_generated,
+                n_remain=-1 if max_tokens < 0 else max(0, max_tokens - c.n_generated),
+                prefilling=seq.prefilling, params=seq.request.params))
+        return EngineStats(
+            max_seqs=self.max_seqs, running=len(self.running), waiting=len(self.waiting),
+            page_size=self.page_size, pages_total=self.pool.n_pages, pages_used=self.pool.used,
+            pages_cached=self.pool.cached, prefix_queries_tokens=self.pool.queries_tokens,
+            prefix_hits_tokens=self.pool.hits_tokens, preemptions=self.preemptions, iterations=self.iterations,
+            sequences=tuple(states))
