@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in chunks of this many tokens
 MIN_PREFILL_BUCKET = 16
-CONTINUE_BUCKET = 64  # a short rest of a prompt after a reused prefix runs in this bucket
+CONTINUE_BUCKET = 64  # the smallest bucket of a prompt's rest after a reused prefix
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 PAGE_SIZE = 16  # tokens per KV page
 # What first requests need (`essential_keys`): prompts of up to this many tokens from position 0 (or
@@ -250,8 +250,7 @@ class Engine:
         """Every program this engine can run: what `warmup` compiles."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets()]
         for w in self.window_buckets():
-            keys += [("prefill", t, self._window_pages(w, self._prefill_windows))
-                     for t in sorted({CONTINUE_BUCKET, self._chunk()})]
+            keys += [("prefill", t, self._window_pages(w, self._prefill_windows)) for t in self._continue_buckets()]
         for b in self._batches:
             keys += [("decode", b, self._window_pages(w, self._decode_windows)) for w in self._decode_windows]
         keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
@@ -259,12 +258,14 @@ class Engine:
 
     def essential_keys(self) -> list[tuple[str, int, int]]:
         """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
-        a rest of at most CONTINUE_BUCKET after a cached prefix) and prompt and answer fit in
-        ESSENTIAL_CELLS: the smallest prefill buckets, the smallest decode windows at every batch
-        size, the samplers and the history row."""
+        a rest of at most 2 * CONTINUE_BUCKET after a cached prefix) and prompt and answer fit in
+        ESSENTIAL_CELLS: the smallest prefill buckets (from position 0, and the two smallest after a
+        cached prefix), the smallest decode windows at every batch size, the samplers and the history
+        row."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
-        keys += [("prefill", CONTINUE_BUCKET, self._window_pages(w, self._prefill_windows))
-                 for w in self.window_buckets() if w <= ESSENTIAL_CELLS]
+        keys += [("prefill", t, self._window_pages(w, self._prefill_windows))
+                 for w in self.window_buckets() if w <= ESSENTIAL_CELLS
+                 for t in self._continue_buckets() if t <= 2 * CONTINUE_BUCKET]
         for b in self._batches:
             keys += [("decode", b, self._window_pages(w, self._decode_windows))
                      for w in self._decode_windows if w <= ESSENTIAL_CELLS]
@@ -277,9 +278,10 @@ class Engine:
         rest = [k for k in self.program_keys() if k not in self._compiled]
         return sorted(rest, key=lambda k: (k[2], k[0] != "decode", k[1]))
 
-    def _chunk(self) -> int:
-        """The bucket of a prompt chunk that starts after cached cells."""
-        return self.prefill_buckets()[-1]
+    def _continue_buckets(self) -> list[int]:
+        """The buckets of a prompt chunk that starts after cached cells (a reused prefix, or the chunks
+        before it): the prefill buckets from CONTINUE_BUCKET up."""
+        return [b for b in self.prefill_buckets() if b >= CONTINUE_BUCKET] or self.prefill_buckets()[-1:]
 
     def warmup(self, threads: int | None = None, essential: bool | None = None) -> float:
         """Compile every program this engine can use, or with `essential` (default: `lazy_compile`)
@@ -410,7 +412,7 @@ class Engine:
         if start == 0:
             t = min(self.prefill_chunk, _pow2_at_least(n, MIN_PREFILL_BUCKET))
         else:
-            t = CONTINUE_BUCKET if n <= CONTINUE_BUCKET else self._chunk()
+            t = next(b for b in self._continue_buckets() if b >= n)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = seq.tokens[start:start + n]
         program = self._program("prefill", t, self._window_pages(start, self._prefill_windows))
