@@ -126,6 +126,7 @@ class Engine:
         self._stop_background = threading.Event()
         self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
+        self._no_bias: dict[int, jax.Array] = {}  # DRY's zero bias, by batch size
         self.compile_s = 0.0
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
         self.lazy_compile = False
@@ -449,13 +450,20 @@ class Engine:
             result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
         return result
 
-    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
-        """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere."""
+    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray | jax.Array:
+        """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere (without
+        DRY, one device array of zeros per batch size, so a step sends nothing)."""
+        dry = [(row, s) for row, s in enumerate(seqs) if dry_enabled(s.request.params.dry_multiplier,
+                                                                      s.request.params.dry_base,
+                                                                      s.request.params.dry_penalty_last_n)]
+        if not dry:
+            zeros = self._no_bias.get(rows)
+            if zeros is None:
+                zeros = self._no_bias[rows] = jnp.zeros((rows, self.config.n_vocab), jnp.float32)
+            return zeros
         bias = np.zeros((rows, self.config.n_vocab), np.float32)
-        for row, s in enumerate(seqs):
+        for row, s in dry:
             p = s.request.params
-            if not dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n):
-                continue
             last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
             bias[row] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
                                  self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
