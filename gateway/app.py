@@ -148,7 +148,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         thread.stop()
         return _refuse(f"cannot load {gated.path}: {e}")
     limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
-                                                    max_seqs=max_seqs, note=fraction_note))
+                                                    max_seqs=max_seqs, stats=client.stats, note=fraction_note))
     listen, compat_listen = _address(*options.listen), _address(*options.compat_listen)
     sockets: list[socket.socket] = []
     try:

@@ -27,6 +27,7 @@ from typing import Any
 
 from bankml import __version__
 from gateway.answer_metrics import MetricsRing, answer_record
+from gateway.engine_client import in_flight
 from gateway.prometheus import PromMetrics
 from gpu_monitor.readings import rounded
 from gpu_monitor.sample import Monitor
@@ -88,7 +89,7 @@ class Monitoring:
 
     def flights(self) -> tuple[int, int]:
         """(running, waiting) answers on the engine."""
-        return self.engine_thread.in_flight() if self.engine_thread is not None else (0, 0)
+        return in_flight(self.engine_thread) if self.engine_thread is not None else (0, 0)
 
     def _model_info(self) -> dict[str, str]:
         try:

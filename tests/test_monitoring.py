@@ -26,7 +26,7 @@ from gpu_monitor.readings import read_text
 from gpu_monitor.sample import Monitor
 from model import device_budget
 from model.engine_thread import EngineThread
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
+from model.messages import EngineStats, FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -265,19 +265,53 @@ class FakeDevice:
         return {"bytes_in_use": 3 << 30, "bytes_limit": 100 << 30, "peak_bytes_in_use": 4 << 30}
 
 
-def test_limiter_reads_the_allocator_and_the_busy_slots(monkeypatch):
+def test_limiter_reads_the_allocator_and_the_running_sequences(monkeypatch):
     engine = FakeEngine()
-    engine.n_slots = 4
-    engine._live = 3
+    engine.max_seqs = 4
     monkeypatch.setattr(device_budget, "_device", lambda: FakeDevice)
-    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, n_slots=8)().to_json()
+    snapshot = EngineStats(max_seqs=4, running=3, waiting=2)
+    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, max_seqs=8,
+                                            stats=lambda: snapshot)().to_json()
     assert (status["limit"], status["allocated_bytes"], status["limit_bytes"]) == (0.85, 3 << 30, 100 << 30)
     assert (status["sequences_max"], status["sequences_in_use"], status["device"]) == (4, 3, "gpu:0")
+    assert "sequences_in_use" not in status["unavailable"]
+    # no snapshot yet: the engine's own count of free slots
+    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, max_seqs=8,
+                                            stats=lambda: None)().to_json()
+    assert (status["sequences_max"], status["sequences_in_use"]) == (4, 0)
     monkeypatch.setattr(device_budget, "_device", lambda: None)
-    status = device_budget.limiter_provider(lambda: None, memory_fraction=0.75, n_slots=2)().to_json()
+    status = device_budget.limiter_provider(lambda: None, memory_fraction=0.75, max_seqs=2,
+                                            stats=lambda: snapshot)().to_json()
     assert status["allocated_bytes"] is None and "no JAX device memory" in status["unavailable"]["allocated_bytes"]
-    assert (status["sequences_max"], status["sequences_in_use"]) == (2, 0)
+    assert (status["sequences_max"], status["sequences_in_use"]) == (2, 0)  # unloaded: a stale snapshot is not read
     assert status["unavailable"]["sequences_in_use"] == "no model is resident"
+
+
+def test_limiter_counts_the_sequences_the_engine_thread_runs(tmp_path):
+    thread = EngineThread()
+    engine = FakeEngine(step_s=0.005)
+    engine.max_seqs = 2
+    thread.call(lambda: thread.set_engine(engine)).result()
+    client = EngineClient(thread)
+    provider = device_budget.limiter_provider(lambda: thread.engine, memory_fraction=0.75, max_seqs=2,
+                                              stats=client.stats)
+    seen: set[tuple[int, int]] = set()
+
+    async def three():
+        async def one(text):
+            async with client.generate(job(text, max_tokens=30)) as generation:
+                async for _ in generation:
+                    status = provider()
+                    seen.add((status.sequences_max, status.sequences_in_use))
+
+        await asyncio.gather(one("LONG a"), one("LONG b"), one("LONG c"))
+
+    try:
+        asyncio.run(three())
+        assert (2, 2) in seen and max(n for _, n in seen) == 2  # two run at once, the third waits
+        assert provider().sequences_in_use == 0
+    finally:
+        thread.stop()
 
 
 def test_memory_fraction_goes_to_jax_unless_the_operator_set_it(monkeypatch):
