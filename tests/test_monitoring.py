@@ -59,7 +59,9 @@ def reading(j: float | None) -> EnergyReading:
 def test_record_rates_energy_and_key_order():
     r = answer_record("SmolLM2", last_output(energy=reading(10.0)))
     assert list(r)[: len(RECORD_KEYS)] == RECORD_KEYS
-    assert list(r)[len(RECORD_KEYS):] == ["package_energy_j", "gpu_energy_j", "energy_overlapped", "unavailable"]
+    assert list(r)[len(RECORD_KEYS):] == ["queue_ms", "package_energy_j", "gpu_energy_j", "energy_overlapped",
+                                          "unavailable"]
+    assert r["queue_ms"] == 1000.0  # queued 1 s before its turn (timeline())
     assert (r["prompt_tps"], r["eval_tps"], r["joules_per_token"]) == (200.0, 20.0, 0.2)
     assert (r["ttft_ms"], r["prompt_ms"], r["eval_ms"], r["energy_j"]) == (512.3, 500.0, 2500.0, 10.0)
     assert (r["grammar_ms"], r["resampled"], r["finish"]) == (0.0, 0, "stop")
@@ -153,6 +155,8 @@ def test_one_record_per_answer_with_its_own_energy_span(engine_side):
     a, b = asyncio.run(both())
     assert monitoring.ring.json_dict()["kept"] == 2
     assert (1, 1) in seen  # while the first ran, the second was waiting
+    # ... and its record says how long: at least the first one's 40 steps of 10 ms
+    assert a["queue_ms"] < 100 and b["queue_ms"] >= 0.9 * 400
     assert monitoring.flights() == (0, 0)
     assert (a["completion_tokens"], b["completion_tokens"]) == (40, len(REPLY_PIECES))
     for r in (a, b):
