@@ -53,6 +53,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): llama_routes.health,
     ("GET", "/props"): llama_routes.props,
     ("GET", "/v1/models"): llama_routes.models,
+    ("GET", "/slots"): llama_routes.slots,  # and /slots?fail_on_no_slot=1
     ("GET", "/"): monitor_routes.root,  # the status page for a browser, else one line
     ("HEAD", "/"): monitor_routes.root,
     ("HEAD", "/health"): llama_routes.health,  # a balancer's probe: GET's status and headers, no body

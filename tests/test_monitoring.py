@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from bankml.errors import ConfigInvalid
 from gateway.answer_metrics import KEEP, SOURCE, MetricsRing, answer_record
 from gateway.engine_client import EngineClient
 from gateway.monitoring import Monitoring
+from gateway.prometheus import PromMetrics
 from gpu_monitor.energy import EnergyReading
 from gpu_monitor.readings import read_text
 from gpu_monitor.sample import Monitor
@@ -215,6 +217,10 @@ def test_a_dead_engine_thread_leaves_no_request_counted(tmp_path):
 def scrape(monitoring: Monitoring, usage: dict | None = None) -> dict[str, dict[tuple, float]]:
     body, content_type = monitoring.prom.exposition(usage or {}, None)
     assert content_type.startswith("text/plain; version=")
+    return scrape_text(body)
+
+
+def scrape_text(body: bytes) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
@@ -246,7 +252,35 @@ def test_usage_series_from_a_machine_with_gpus_and_nulls_left_out(tmp_path):
     assert prom["bankml_process_resident_memory_bytes"] == {("bankml serve", "100"): 2048 * 1024}
     assert "bankml_package_energy_joules_total" not in prom  # no RAPL on this fake machine
     assert prom["bankml_model_info"] == {("llama", "e", "SmolLM2.gguf", "ab" * 32): 1}
-    assert prom["bankml_requests_running"] == {(): 0} and prom["bankml_requests_waiting"] == {(): 0}
+    # no engine thread in this process (as in P0): its series are absent, not 0
+    for name in ("bankml_requests_running", "bankml_requests_waiting", "bankml_kv_cache_usage_ratio",
+                 "bankml_prefix_cache_queries_total"):
+        assert name not in prom, name
+
+
+def test_the_schedulers_series_are_read_from_its_snapshot_at_scrape_time():
+    snapshot = EngineStats(max_seqs=4, running=2, waiting=1, page_size=16, pages_total=100, pages_used=25,
+                           pages_cached=10, prefix_queries_tokens=1000, prefix_hits_tokens=640, preemptions=3)
+    now = {"stats": snapshot}
+    prom = PromMetrics(lambda: (now["stats"].running, now["stats"].waiting), lambda: {}, lambda: now["stats"])
+    body, _ = prom.exposition({}, None)
+    got = scrape_text(body)
+    assert (got["bankml_requests_running"][()], got["bankml_requests_waiting"][()]) == (2, 1)
+    assert got["bankml_kv_cache_usage_ratio"][()] == 0.25
+    assert got["bankml_kv_cache_pages"] == {("cached",): 10, ("free",): 65, ("used",): 25}
+    assert (got["bankml_prefix_cache_queries_total"][()], got["bankml_prefix_cache_hits_total"][()]) == (1000, 640)
+    assert got["bankml_num_preemptions_total"][()] == 3
+    # cumulative in the engine, so the counters follow it: never inc()'d here, never double counted
+    now["stats"] = replace(snapshot, prefix_queries_tokens=1500, prefix_hits_tokens=900, preemptions=4)
+    got = scrape_text(prom.exposition({}, None)[0])
+    assert (got["bankml_prefix_cache_queries_total"][()], got["bankml_prefix_cache_hits_total"][()]) == (1500, 900)
+    assert got["bankml_num_preemptions_total"][()] == 4
+    # an engine without a paged pool has no KV series; no snapshot yet: no scheduler series at all
+    now["stats"] = EngineStats(max_seqs=1, running=1)
+    got = scrape_text(prom.exposition({}, None)[0])
+    assert "bankml_kv_cache_usage_ratio" not in got and got["bankml_prefix_cache_hits_total"][()] == 0
+    got = scrape_text(PromMetrics(lambda: (0, 0), lambda: {}, lambda: None).exposition({}, None)[0])
+    assert "bankml_prefix_cache_queries_total" not in got and got["bankml_requests_running"][()] == 0
 
 
 def test_each_app_has_its_own_registry(engine_side):
