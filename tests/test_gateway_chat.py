@@ -19,6 +19,8 @@ from fake_engine import REPLY, REPLY_PIECES
 from gateway_helpers import FakeServer, connect, exchange, request_bytes, split_response, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
+from bankml.errors import EngineGone, Overloaded
+from gateway.errors import Api, render
 from model.chat_template import render_chat
 
 pytestmark = pytest.mark.timeout(120)
@@ -433,3 +435,34 @@ def test_a_full_waiting_queue_is_a_503_with_retry_after_and_the_waiting_request_
         assert prom["bankml_prefix_cache_queries_total"][()] == 0 and "bankml_kv_cache_usage_ratio" not in prom
     finally:
         s.stop()
+
+
+def test_overloaded_is_a_503_with_retry_after_in_each_apis_shape():
+    error = Overloaded("the server is busy", retry_after_s=3)
+    for api, body in [(Api.OPENAI, {"error": {"code": 503, "message": "the server is busy",
+                                              "type": "unavailable_error"}}),
+                      (Api.LLAMA, {"error": {"code": 503, "message": "the server is busy",
+                                             "type": "unavailable_error"}}),
+                      (Api.OLLAMA, {"error": "the server is busy"})]:
+        response = render(error, api)
+        assert response.status == 503 and response.headers["retry-after"] == "3"
+        assert json.loads(response.body) == body
+    assert "retry-after" not in render(EngineGone("gone"), Api.OPENAI).headers  # only a full queue says when
+
+
+def test_slots_lists_every_sequence_slot(pinned):
+    s = FakeServer(*pinned, engine={"max_seqs": 3})
+    try:
+        slots = httpx.get(s.url("/slots")).json()
+        assert [x["id"] for x in slots] == [0, 1, 2] and not any(x["is_processing"] for x in slots)
+        usage = httpx.get(s.url("/bankml/usage")).json()["gpu_limiter"]
+        assert (usage["sequences_max"], usage["sequences_in_use"]) == (3, 0)
+    finally:
+        s.stop()
+
+
+def test_p0_serves_no_slots_of_its_own():
+    # behind llama-server, /slots stays llama-server's (its entries carry every client's prompt): not passed on
+    from gateway import p0
+
+    assert ("GET", "/slots") not in p0.ROUTES
