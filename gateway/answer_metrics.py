@@ -11,7 +11,8 @@ The record is the Rust bankml's (metrics.rs), key for key and rounded as it roun
 - energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
   when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
   tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
-Added after its keys: `package_energy_j` and `gpu_energy_j` (both counters, whichever the
+Added after its keys: `queue_ms`, how long the answer waited for a sequence (behind `max_seqs`
+running ones) before its turn came; `package_energy_j` and `gpu_energy_j` (both counters, whichever the
 engine runs on), `energy_overlapped` (another answer ran during this one: device counters cannot
 split it) and `unavailable`.
 
@@ -57,6 +58,8 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         why["joules_per_token"] = "no completion tokens"
     if ttft_ms is None:
         why["ttft_ms"] = "the answer has no text"
+    if last.timeline is None:
+        why["queue_ms"] = "the engine stamped no timeline"
     return {
         "at": rounded(time.time() if at is None else at, 3),
         "model": model,
@@ -73,6 +76,7 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         "resampled": 0,
         "energy_j": rounded(energy_j, 3),
         "joules_per_token": rounded(per_token, 4),
+        "queue_ms": rounded(last.timeline.queue_ms, 1) if last.timeline is not None else None,
         "package_energy_j": rounded(package_j, 3),
         "gpu_energy_j": rounded(gpu_j, 3),
         "energy_overlapped": overlapped,

@@ -53,6 +53,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): llama_routes.health,
     ("GET", "/props"): llama_routes.props,
     ("GET", "/v1/models"): llama_routes.models,
+    ("GET", "/slots"): llama_routes.slots,  # and /slots?fail_on_no_slot=1
     ("GET", "/"): monitor_routes.root,  # the status page for a browser, else one line
     ("HEAD", "/"): monitor_routes.root,
     ("HEAD", "/health"): llama_routes.health,  # a balancer's probe: GET's status and headers, no body
@@ -148,7 +149,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         thread.stop()
         return _refuse(f"cannot load {gated.path}: {e}")
     limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
-                                                    max_seqs=max_seqs, note=fraction_note))
+                                                    max_seqs=max_seqs, stats=client.stats, note=fraction_note))
     listen, compat_listen = _address(*options.listen), _address(*options.compat_listen)
     sockets: list[socket.socket] = []
     try:

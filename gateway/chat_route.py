@@ -6,7 +6,8 @@
    or 503 and no receipt (residency.py);
 3. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
 4. hand the request to the engine queue (engine_client.py) and read this request's outputs; the
-   last one carries the engine thread's timeline and energy of the answer;
+   last one carries the engine thread's timeline and energy of the answer. A queue already holding
+   `[engine] max_waiting` requests refuses it (Overloaded): 503 with Retry-After, nothing sent yet;
 5. write them (openai_chat.py, one `id` for the answer): one JSON answer (the text released, then
    what was held back at the end, and the logprob entries less the stop word's), or SSE chunks as
    the pieces form (the role delta first, held-back text never sent, as llama-server); the head of

@@ -5,6 +5,9 @@
   `/v1/*` OpenAI's and every other route llama-server's: `{"error": {"code", "message", "type"}}`
   plus the error's extra keys (exceed_context_size_error's `n_prompt_tokens` and `n_ctx`), which the
   `openai` client reads as the error's message;
+- an `Overloaded` (the engine's waiting queue is full) is a 503 in every API's shape, with a
+  `Retry-After` header in seconds, as an HTTP client's retry logic (the `openai` client's included)
+  reads it;
 - Sanic's own exceptions (a head Sanic cannot parse, a request timeout, ...) keep their status and
   become text/plain. Anything else is an InternalError (500) with the exception's type and message: no
   traceback ever reaches a client; it goes to the log.
@@ -20,7 +23,7 @@ from sanic.exceptions import MethodNotAllowed, NotFound, RequestCancelled, Sanic
 from sanic.handlers import ErrorHandler
 
 from bankml import jstr
-from bankml.errors import BankmlError, ContextExceeded, InternalError, RouteNotFound, codes
+from bankml.errors import BankmlError, ContextExceeded, InternalError, Overloaded, RouteNotFound, codes
 
 log = logging.getLogger("bankml.gateway")
 
@@ -52,7 +55,10 @@ def error_body(error: BankmlError, api: Api = Api.OPENAI) -> str:
 
 
 def render(error: BankmlError, api: Api = Api.OPENAI) -> HTTPResponse:
-    return json_response(error_body(error, api), status_of(error, api))
+    response = json_response(error_body(error, api), status_of(error, api))
+    if isinstance(error, Overloaded):
+        response.headers["Retry-After"] = str(max(1, int(error.retry_after_s)))
+    return response
 
 
 def stream_error(error: BankmlError) -> bytes:

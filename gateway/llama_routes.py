@@ -5,7 +5,9 @@ They name no model: they use the resident one, or verify and load the startup mo
 changed and does not verify again, or it failed to load) or the engine thread is gone, so a balancer
 routes away. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
 otherwise stall every other client), on a thread of their own: a burst of /tokenize calls queues
-behind itself, never in front of the chat answers, which use the loop's default pool.
+behind itself, never in front of the chat answers, which use the loop's default pool. `/slots` is
+the scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of them), in
+llama-server's shape.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bankml import __version__, jstr
-from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, NotSupported
+from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, NotSupported, Overloaded
 from gateway.chat_request import check_messages, parse_body
 from gateway.errors import json_response
+from gateway.sanic_app import query_of, takes_query
+from model.messages import SamplingParams, SequenceState
 
 _TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
 
@@ -86,3 +90,78 @@ async def apply_template(request, state):
     loaded = await state.residency.current()
     prompt = await _off_loop(loaded.model.render, messages)
     return json_response(jstr.dumps({"prompt": prompt}))
+
+
+@takes_query
+async def slots(request, state):
+    """llama-server's `GET /slots`; `?fail_on_no_slot=<anything>` makes it a 503 while no slot is idle
+    (tools/server: any non-empty value, its "no slot available" unavailable_error)."""
+    if state.client.failure is not None:
+        raise EngineGone(f"the engine thread stopped: {state.client.failure}")
+    stats = state.client.stats()
+    sequences = stats.sequences if stats is not None else ()  # no engine has run: no slots yet
+    if any(query_of(request).get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
+        raise Overloaded("no slot available")
+    return json_response(jstr.dumps([slot_json(s) for s in sequences]))
+
+
+def slot_json(seq: SequenceState) -> dict[str, Any]:
+    """One slot as llama-server's `server_slot::to_json` writes it (tools/server/server-context.cpp).
+
+    Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
+    anyone who can reach /slots would read; and, while a prompt is still being computed in chunks,
+    `n_prompt_tokens_processed`, which the snapshot does not count until the prompt is done. An idle
+    slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1."""
+    out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
+                           "is_processing": seq.is_processing, "id_task": seq.id_task}
+    if not seq.is_processing:
+        return out
+    out["n_prompt_tokens"] = seq.n_prompt
+    if not seq.prefilling:
+        out["n_prompt_tokens_processed"] = seq.n_prompt - seq.n_cached
+    out["n_prompt_tokens_cache"] = seq.n_cached
+    if seq.params is not None:
+        out["params"] = _params_json(seq.params)
+    out["next_token"] = [{
+        "has_next_token": True,  # a sequence that stopped has left its slot
+        "has_new_line": False,  # llama-server tracks it for n_indent, which this engine does not take
+        "n_remain": seq.n_remain,
+        "n_decoded": seq.n_decoded,
+        "stopping_word": "",
+    }]
+    return out
+
+
+def _params_json(p: SamplingParams) -> dict[str, Any]:
+    """llama-server's `slot_params::to_json` (tools/server/server-task.cpp), for the fields this
+    engine has; the ones it refuses unless neutral (mirostat's tau and eta, grammars, logit_bias) are
+    left out."""
+    return {
+        "seed": p.seed & 0xFFFFFFFF,  # llama-server's seed is a uint32: -1 (random) reads 4294967295
+        "temperature": p.temperature,
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "typical_p": p.typical_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "mirostat": p.mirostat,
+        "stop": list(p.stop),
+        "max_tokens": p.max_tokens,
+        "n_predict": p.max_tokens,
+        "n_probs": p.n_probs,
+        "min_keep": p.min_keep,
+        "samplers": list(p.samplers),
+    }

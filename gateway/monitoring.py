@@ -14,7 +14,8 @@ monitor what came out:
 `record` builds the record from the final output, appends it to the ring, and feeds the lifetime
 Prometheus counters. Errors and abandoned answers push nothing to the ring (it holds completed
 answers only) and count in `bankml_answers_total{finish="error"|"abort"}` when the `with` block is
-left without a record. The running and waiting gauges are the engine thread's own counts.
+left without a record. The running and waiting gauges are the engine thread's own counts, the KV
+pool's and prefix cache's series its scheduler's last snapshot.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bankml import __version__
+from bankml.errors import Overloaded
+from gateway import engine_client
 from gateway.answer_metrics import MetricsRing, answer_record
 from gateway.prometheus import PromMetrics
 from gpu_monitor.readings import rounded
 from gpu_monitor.sample import Monitor
 from model.engine_thread import EngineThread
-from model.messages import StepOutput
+from model.messages import EngineStats, StepOutput
 
 STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
 
@@ -39,7 +42,8 @@ STATUS_RECORDS = 20  # the status page shows the last answers, not the whole rin
 class Answer:
     """One answer, as the monitor counts it: `record` it once it completed; leaving the `with` block
     without a record counts it as abandoned (the handler was cancelled: its client went away) or as
-    an error (anything else: the engine failed, or the handler did)."""
+    an error (anything else: the engine failed, or the handler did), except `Overloaded`: the request
+    never queued (503), and counts in `bankml_requests_overloaded_total` alone."""
 
     def __init__(self, monitoring: Monitoring):
         self._monitoring = monitoring
@@ -49,6 +53,9 @@ class Answer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, Overloaded):  # refused before it queued: no answer
+            self._monitoring.prom.overloaded.inc()
+            return
         if not self.recorded:
             abandoned = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
             self._monitoring.prom.ended_unfinished("abort" if abandoned else "error")
@@ -80,15 +87,19 @@ class Monitoring:
         if engine_thread is not None:
             engine_thread.meter = self.meter
         self.ring = MetricsRing()
-        self.prom = PromMetrics(self.flights, self._model_info)
+        self.prom = PromMetrics(self.flights, self._model_info, self.engine_stats)
         self.started_s = time.monotonic()
 
     def answer(self) -> Answer:
         return Answer(self)
 
-    def flights(self) -> tuple[int, int]:
-        """(running, waiting) answers on the engine."""
-        return self.engine_thread.in_flight() if self.engine_thread is not None else (0, 0)
+    def flights(self) -> tuple[int, int] | None:
+        """(running, waiting) requests on the engine; None when no engine runs in this process (P0)."""
+        return engine_client.in_flight(self.engine_thread) if self.engine_thread is not None else None
+
+    def engine_stats(self) -> EngineStats | None:
+        """The scheduler's last snapshot (None: none yet, the engine thread is gone, or P0)."""
+        return engine_client.engine_stats(self.engine_thread) if self.engine_thread is not None else None
 
     def _model_info(self) -> dict[str, str]:
         try:
@@ -107,7 +118,7 @@ class Monitoring:
         metrics = self.ring.json_dict()
         kept = metrics["records"]
         metrics["records"] = kept[-STATUS_RECORDS:]
-        running, waiting = self.flights()
+        running, waiting = self.flights() or (None, None)
         return {
             "bankml": __version__,
             "at": rounded(time.time(), 3),

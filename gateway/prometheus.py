@@ -4,10 +4,14 @@ Two kinds of series:
 - lifetime, pushed as answers complete (`observe_answer`): counters of answers, prompt, cached and
   completion tokens, and measured joules with the tokens they paid for; histograms of time to first token, request latency and
   generation speed. Counters never fall (the /bankml/metrics ring's totals do, as records age out).
-- sampled, read from one /bankml/usage snapshot at scrape time (`UsageCollector`): requests running
-  and waiting, this process's memory and CPU, RAPL package energy, per-GPU busy, memory, power,
-  temperature and energy, the limiter. A value the monitor could not read is left out, not written
-  as 0: an absent series is Prometheus's "unknown".
+- sampled at scrape time (`UsageCollector`): from the scheduler's last snapshot (EngineStats), the
+  requests running and waiting, the KV pool's use, and its cumulative prefix-cache and preemption
+  counters (vLLM's names, in our prefix: `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries`,
+  `vllm:prefix_cache_hits`, `vllm:num_preemptions`); from one /bankml/usage snapshot, this process's
+  memory and CPU, RAPL package energy, per-GPU busy, memory, power, temperature and energy, the
+  limiter. A value the monitor could not read is left out, not written as 0: an absent series is
+  Prometheus's "unknown". In front of llama-server (P0) no engine runs here, so the engine's series
+  are absent (llama-server's own /metrics has them).
 Chart `rate()` of the joule counters rather than the sampled watts.
 """
 
@@ -20,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from model.messages import EngineStats
+
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
@@ -28,20 +34,26 @@ TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 200
 class UsageCollector:
     """Series read from the latest usage snapshot, which the scrape handler sets just before encoding."""
 
-    def __init__(self, flights: Callable[[], tuple[int, int]], info: Callable[[], Mapping[str, str]],
-                 energy: Callable[[], tuple[float, int] | None]):
+    def __init__(self, flights: Callable[[], tuple[int, int] | None], info: Callable[[], Mapping[str, str]],
+                 energy: Callable[[], tuple[float, int] | None],
+                 engine: Callable[[], EngineStats | None] = lambda: None):
         self.snapshot: dict[str, Any] = {}
         self._flights = flights
         self._info = info
         self._energy = energy
+        self._engine = engine
 
     def describe(self) -> list[Metric]:
         return []  # unchecked: the set of series depends on the machine
 
     def collect(self) -> Iterable[Metric]:
-        running, waiting = self._flights()
-        yield GaugeMetricFamily("bankml_requests_running", "Answers generating on the engine now.", running)
-        yield GaugeMetricFamily("bankml_requests_waiting", "Answers queued for the engine.", waiting)
+        flights = self._flights()
+        if flights is not None:  # None: no engine in this process (P0)
+            running, waiting = flights
+            yield GaugeMetricFamily("bankml_requests_running", "Requests holding a sequence on the engine now.",
+                                    running)
+            yield GaugeMetricFamily("bankml_requests_waiting", "Requests queued for a sequence (FIFO).", waiting)
+        yield from self._scheduler(self._engine())
         energy = self._energy()
         if energy is not None:  # absent until an answer's energy was measured: never a fake 0 J
             yield CounterMetricFamily("bankml_answer_energy_joules",
@@ -76,6 +88,30 @@ class UsageCollector:
                                     "CPU package power over the last usage window (RAPL).", u["package_watts"])
         yield from self._gpus(u.get("gpus", []))
         yield from self._limiter(u.get("gpu_limiter"))
+
+    @staticmethod
+    def _scheduler(stats: EngineStats | None) -> Iterable[Metric]:
+        if stats is None:  # no engine has run yet, or none runs here
+            return
+        if stats.pages_total > 0:  # an engine without a paged pool (a test's fake) reports none
+            yield GaugeMetricFamily("bankml_kv_cache_usage_ratio",
+                                    "KV cache pages held by running sequences over the pool's pages (0..1).",
+                                    stats.kv_usage_ratio)
+            pages = GaugeMetricFamily("bankml_kv_cache_pages",
+                                      f"KV cache pages of {stats.page_size} tokens, by state: used by running "
+                                      "sequences, cached (free, holding a reusable prefix), free.", labels=["state"])
+            pages.add_metric(["used"], stats.pages_used)
+            pages.add_metric(["cached"], stats.pages_cached)
+            pages.add_metric(["free"], stats.pages_total - stats.pages_used - stats.pages_cached)
+            yield pages
+        yield CounterMetricFamily("bankml_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.", stats.prefix_queries_tokens)
+        yield CounterMetricFamily("bankml_prefix_cache_hits",
+                                  "Prompt tokens served from the prefix cache (hit rate = rate of these / rate of "
+                                  "the queries).", stats.prefix_hits_tokens)
+        yield CounterMetricFamily("bankml_num_preemptions",
+                                  "Sequences preempted when the KV pool ran out of pages (computed again later).",
+                                  stats.preemptions)
 
     @staticmethod
     def _gpus(gpus: list[dict[str, Any]]) -> Iterable[Metric]:
@@ -131,7 +167,8 @@ class UsageCollector:
 class PromMetrics:
     """The lifetime series and the sampled ones, in a registry of this app's own."""
 
-    def __init__(self, flights: Callable[[], tuple[int, int]], info: Callable[[], Mapping[str, str]]):
+    def __init__(self, flights: Callable[[], tuple[int, int] | None], info: Callable[[], Mapping[str, str]],
+                 engine: Callable[[], EngineStats | None] = lambda: None):
         disable_created_metrics()  # process-wide: no `*_created` series, which only repeat the start time
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -143,6 +180,9 @@ class PromMetrics:
         self.completion_tokens = Counter("bankml_completion_tokens",
                                          "Generated tokens of completed answers (end-of-generation included).",
                                          registry=r)
+        self.overloaded = Counter("bankml_requests_overloaded",
+                                  "Requests refused with 503 and Retry-After: [engine] max_waiting requests "
+                                  "already waited for a sequence.", registry=r)
         self._energy: tuple[float, int] | None = None  # (joules, completion tokens) of measured answers
         self.ttft = Histogram("bankml_ttft_seconds",
                               "From the answer's turn on the engine to its first text (time queued excluded; "
@@ -153,7 +193,7 @@ class PromMetrics:
                                  buckets=LATENCY_BUCKETS_S, registry=r)
         self.eval_tps = Histogram("bankml_generation_tokens_per_second", "eval_tps of completed answers.",
                                   buckets=TPS_BUCKETS, registry=r)
-        self.usage = UsageCollector(flights, info, lambda: self._energy)
+        self.usage = UsageCollector(flights, info, lambda: self._energy, engine)
         r.register(self.usage)
 
     def observe_answer(self, record: Mapping[str, Any], *, ttft_s: float | None, latency_s: float) -> None:

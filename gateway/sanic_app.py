@@ -1,6 +1,10 @@
 """The Sanic app both gateways share: one route table dispatched on the exact raw path, the limits of
 `[limits]`, and one error handler. The native gateway (app.py) and P0 (p0.py) differ only in their
 routes and their start/stop hooks.
+
+A target matches a route exactly; only a handler marked `takes_query` (llama-server's `GET /slots`,
+whose clients send `?fail_on_no_slot=1`) is also reached by its path followed by `?query`, and reads
+the query itself (`query_of`).
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from sanic import Sanic
 from sanic.exceptions import NotFound
@@ -17,6 +22,18 @@ from gateway.loopback import Limits
 from gateway.shutdown import Shutdown
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+def takes_query(handler: Handler) -> Handler:
+    """Mark a route whose path may be followed by `?query` (every other target must match exactly)."""
+    handler.takes_query = True  # type: ignore[attr-defined]
+    return handler
+
+
+def query_of(request) -> dict[str, list[str]]:
+    """The raw target's query, decoded as a form (llama-server's `req.get_param`); {} without one."""
+    _, _, query = request.raw_url.decode("latin-1").partition("?")
+    return parse_qs(query, keep_blank_values=True)
 
 
 def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler], routes_text: str,
@@ -45,7 +62,12 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
 
     async def dispatch(request, path: str = ""):
         # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404, as in the Rust bankml
-        handler = routes.get((request.method, request.raw_url.decode("latin-1")))
+        target = request.raw_url.decode("latin-1")
+        handler = routes.get((request.method, target))
+        if handler is None and "?" in target:
+            handler = routes.get((request.method, target.partition("?")[0]))
+            if not getattr(handler, "takes_query", False):
+                handler = None
         if handler is None:
             raise NotFound()
         return await handler(request, app.ctx.state)

@@ -6,7 +6,8 @@ Two halves, each with how much is in use:
   `apply_memory_fraction` runs before the engine first touches jax. The allocator then reports
   `bytes_in_use` and `bytes_limit` through `Device.memory_stats()`. A CPU backend has no such
   allocator: the fraction is reported as configured, its bytes null with the reason.
-- sequences: the engine decodes up to `max_seqs` sequences at once; the running ones are in use.
+- sequences: the engine decodes up to `max_seqs` sequences at once; the running ones (the scheduler's
+  last snapshot, `EngineStats.running`) are in use.
 
 No jax import here: the gateway registers the provider (gateway/app.py), and a process whose engine
 never imported jax (the tests' fake engine) holds no JAX device memory to report.
@@ -22,6 +23,7 @@ from typing import Any
 
 from bankml.errors import ConfigInvalid
 from gpu_monitor.limiter import LimiterStatus
+from model.messages import EngineStats
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
@@ -74,21 +76,33 @@ def engine_platform() -> str:
 
 
 def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, max_seqs: int,
+                     stats: Callable[[], EngineStats | None] | None = None,
                      note: str | None = None) -> Callable[[], LimiterStatus]:
     """A provider for `gpu_monitor.limiter.register`. `engine()` gives the resident engine or None (the
-    model was unloaded: nothing decodes). Called at most once per usage sample, from the sampler thread;
-    the reads are plain attribute reads, safe beside the engine thread."""
+    model was unloaded: nothing decodes); `stats()` the scheduler's last snapshot (the engine thread's
+    `stats`), whose running sequences are the ones in use. An engine without a snapshot is asked for
+    its `free_slots()`. Called at most once per usage sample, from the sampler thread; the reads are
+    plain attribute reads, safe beside the engine thread."""
 
     def status() -> LimiterStatus:
         eng = engine()
+        snapshot = stats() if stats is not None and eng is not None else None
         dev = _device()
-        slots = int(getattr(eng, "max_seqs", max_seqs)) if eng is not None else max_seqs
+        if snapshot is not None and snapshot.max_seqs > 0:
+            seqs = snapshot.max_seqs
+        else:
+            seqs = int(getattr(eng, "max_seqs", max_seqs)) if eng is not None else max_seqs
         free = getattr(eng, "free_slots", None)
-        in_use = slots - int(free()) if callable(free) else 0
+        if snapshot is not None:
+            in_use = snapshot.running
+        elif callable(free):
+            in_use = seqs - int(free())
+        else:
+            in_use = 0
         out = LimiterStatus.from_memory_stats(
             dev.memory_stats() if dev is not None else None,
             memory_fraction=memory_fraction,
-            sequences_max=slots,
+            sequences_max=seqs,
             sequences_in_use=in_use,
             device=f"{dev.platform}:{dev.id}" if dev is not None else "",
         )
@@ -101,8 +115,8 @@ def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, max_s
                 why[key] = "JAX's CPU backend has no device allocator; memory_fraction applies to GPUs"
         if eng is None:
             why["sequences_in_use"] = "no model is resident"
-        elif not callable(free):
-            why["sequences_in_use"] = "the engine does not say how many of its slots are busy (reads 0)"
+        elif snapshot is None and not callable(free):
+            why["sequences_in_use"] = "the engine does not say how many of its sequences run (reads 0)"
         if note:
             why["limit"] = note
         return replace(out, unavailable=why)

@@ -6,7 +6,8 @@ prompt, so one server serves every test:
 - "FAIL": raises after 3 pieces (an engine failure mid-answer);
 - "DIE": raises a BaseException that kills the engine thread;
 - otherwise the fixed REPLY, piece by piece, each step `step_s` long; `max_tokens` gives "length".
-Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
+It serves `max_seqs` generations at once (one by default), each advanced a step per iteration
+(tests/batch_adapter.py). Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
 <n> steps`, so a test can see that an abandoned stream really stopped.
 """
 
@@ -15,10 +16,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 from batch_adapter import GeneratorBatch
 
-from model.messages import FinishReason, SamplingParams, StepOutput
+from model.messages import EngineStats, FinishReason, SamplingParams, SequenceState, StepOutput
 
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
 REPLY = "".join(REPLY_PIECES)
@@ -39,11 +41,29 @@ class FakeTokenizer:
 
 
 class FakeEngine(GeneratorBatch):
-    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002):
+    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1):
         super().__init__()
         self.tokenizer = FakeTokenizer()
         self.n_ctx = n_ctx
         self.step_s = step_s
+        self.max_seqs = max_seqs
+
+    def stats(self) -> EngineStats:
+        """The adapter's counts, and one SequenceState per slot as the scheduler gives them (a
+        request's slot is its place among the running ones, in admission order)."""
+        running = list(self._running.items())
+        states = []
+        for slot in range(self.max_seqs):
+            if slot >= len(running):
+                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx))
+                continue
+            task, (request, _, count) = running[slot]
+            max_tokens = request.params.max_tokens
+            states.append(SequenceState(
+                id=slot, id_task=task, is_processing=True, n_ctx=self.n_ctx, n_prompt=len(request.prompt_tokens),
+                n_decoded=count[0], n_remain=-1 if max_tokens < 0 else max(0, max_tokens - count[0]),
+                params=request.params))
+        return replace(super().stats(), sequences=tuple(states))
 
     def warmup(self) -> float:
         return 0.25
@@ -76,8 +96,8 @@ class FakeEngine(GeneratorBatch):
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
 
 
-def fake_loader(n_ctx: int = 4096, step_s: float = 0.002):
+def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1):
     def load(path: str):
-        return FakeEngine(n_ctx, step_s), "a fake engine for tests"
+        return FakeEngine(n_ctx, step_s, max_seqs), "a fake engine for tests"
 
     return load

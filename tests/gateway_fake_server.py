@@ -1,10 +1,11 @@
 """Run the real gateway (gate, loopback rules, routes, receipts) over the fake engine, for tests.
 
     python tests/gateway_fake_server.py MODEL.gguf --fork F [--listen H:P] [--upstream H:P]
-        [--ctx N] [--step-ms MS] [--limits JSON] [--fail-load] [--replay]
+        [--ctx N] [--step-ms MS] [--limits JSON] [--engine JSON] [--fail-load] [--replay]
 
 The model file is gated for real (guard, then the pin); only the engine is fake. --limits overrides
-keys of the [limits] table (e.g. short timeouts). --replay serves llama-server's recorded tokens
+keys of the [limits] table (e.g. short timeouts), --engine those of [engine] (max_seqs, max_waiting:
+the fake engine serves max_seqs sequences at once, as the real one). --replay serves llama-server's recorded tokens
 through the real tokenizer and host side (tests/replay_engine.py; MODEL must be SmolLM2).
 """
 
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> int:
     fake = argparse.ArgumentParser(add_help=False)
     fake.add_argument("--step-ms", type=float, default=2.0)
     fake.add_argument("--limits", default="{}")
+    fake.add_argument("--engine", default="{}")
     fake.add_argument("--fail-load", action="store_true")
     fake.add_argument("--replay", action="store_true")
     extra, rest = fake.parse_known_args(argv)
@@ -47,15 +49,16 @@ def main(argv: list[str]) -> int:
     listen, upstream = zero.get("--listen"), zero.get("--upstream")
     try:
         options = serve_options_of(args)
-        config = dataclasses.replace(options.config, limits=dataclasses.replace(options.config.limits,
-                                                                                **json.loads(extra.limits)))
+        config = dataclasses.replace(options.config,
+                                     limits=dataclasses.replace(options.config.limits, **json.loads(extra.limits)),
+                                     engine=dataclasses.replace(options.config.engine, **json.loads(extra.engine)))
         options = dataclasses.replace(options, listen=listen or options.listen,
                                       upstream=upstream or options.upstream, config=config)
         gated = gate_model(args.file, read_fork(args.fork, "serve"))
     except BankmlError as e:
         print(f"bankml serve: refuse: {e}", file=sys.stderr)
         return 2
-    loader = fake_loader(options.ctx, extra.step_ms / 1e3)
+    loader = fake_loader(options.ctx, extra.step_ms / 1e3, max_seqs=options.config.engine.max_seqs)
     if extra.replay:
         from replay_engine import replay_loader
 

@@ -82,11 +82,15 @@ class _Server:
 
 
 class FakeServer(_Server):
-    def __init__(self, model: Path, fork: Path, *, limits: dict | None = None, step_ms: float = 2,
-                 ctx: int = 4096, timeout_s: float = 60, replay: bool = False):
+    def __init__(self, model: Path, fork: Path, *, limits: dict | None = None, engine: dict | None = None,
+                 step_ms: float = 2, ctx: int = 4096, timeout_s: float = 60, replay: bool = False):
+        """`engine`: keys of [engine] over the defaults; the fake engine serves one sequence at a time
+        unless it names `max_seqs`."""
+        engine = {"max_seqs": 1, **(engine or {})}
         cmd = [sys.executable, str(HERE / "gateway_fake_server.py"), str(model), "--fork", str(fork),
                "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:0", "--ctx", str(ctx),
-               "--step-ms", str(step_ms), "--limits", json.dumps(limits or {}), *(["--replay"] if replay else [])]
+               "--step-ms", str(step_ms), "--limits", json.dumps(limits or {}), "--engine", json.dumps(engine),
+               *(["--replay"] if replay else [])]
         super().__init__(cmd, timeout_s)
 
 

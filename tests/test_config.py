@@ -34,14 +34,17 @@ def test_defaults_are_the_originals():
     assert (lim.max_connections, lim.max_body_bytes, lim.max_line_bytes, lim.max_header_lines) == (
         32, 16 << 20, 16384, 100)
     assert (lim.read_timeout_s, lim.write_timeout_s, lim.max_upstream_body_bytes) == (30, 120, 64 << 20)
-    assert (c.engine.n_slots, c.engine.memory_fraction, c.engine.max_prefill_bucket) == (1, 0.75, 512)
+    eng = c.engine
+    assert (eng.max_seqs, eng.max_waiting, eng.memory_fraction, eng.max_prefill_bucket) == (4, 256, 0.75, 512)
+    assert (eng.kv_cache_bytes, eng.page_size) == (0, 16)
 
 
 def test_presets_overlay_and_unknown_keys_refuse(tmp_path: Path):
     h200 = load_config("h200")
-    assert (h200.engine.n_slots, h200.serve.ctx, h200.engine.max_prefill_bucket) == (8, 8192, 2048)
+    assert (h200.engine.max_seqs, h200.serve.ctx, h200.engine.max_prefill_bucket) == (16, 8192, 2048)
     assert h200.limits == LimitsConfig() and isinstance(h200.engine, EngineConfig)
-    assert load_config("cpu").serve == ServeConfig()
+    cpu = load_config("cpu")
+    assert cpu.serve == ServeConfig() and cpu.engine.max_seqs == 4  # the default: cpu.toml does not set it
     bad = tmp_path / "bad.toml"
     for text, why in [
         ('[serve]\nlisten = "127.0.0.1:1"\nlisen = "x"\n', "unknown key 'serve.lisen'"),
@@ -55,6 +58,13 @@ def test_presets_overlay_and_unknown_keys_refuse(tmp_path: Path):
         ('[serve]\nlisten = "nowhere"\n', "'serve.listen' 'nowhere' is not HOST:PORT"),
         ('[serve]\nkeep_alive = "5 minutes"\n', "'serve.keep_alive' '5 minutes' is not a duration"),
         ("[engine]\nmemory_fraction = 1.5\n", "'engine.memory_fraction' must be in (0, 1]"),
+        ("[engine]\nn_slots = 4\n", "'engine.n_slots' is now 'engine.max_seqs'"),  # renamed: said, not ignored
+        ("[engine]\nmax_seqs = 0\n", "'engine.max_seqs' must be positive, not 0"),
+        ("[engine]\nmax_waiting = -1\n", "'engine.max_waiting' must be positive, not -1"),
+        ("[engine]\npage_size = 24\n", "'engine.page_size' must be a power of two up to 1024, not 24"),
+        ("[engine]\npage_size = 0\n", "'engine.page_size' must be a power of two"),
+        ("[engine]\npage_size = 2048\n", "'engine.page_size' must be a power of two up to 1024"),
+        ("[engine]\nkv_cache_bytes = -1\n", "'engine.kv_cache_bytes' must not be negative"),
     ]:
         bad.write_text(text)
         with pytest.raises(ConfigInvalid) as e:
@@ -62,6 +72,9 @@ def test_presets_overlay_and_unknown_keys_refuse(tmp_path: Path):
         assert str(e.value).startswith(f"{bad}: ") and why in str(e.value), (text, str(e.value))
     with pytest.raises(ConfigInvalid, match="no config preset or file 'nope'"):
         load_config("nope")
+    bad.write_text("[engine]\nmax_seqs = 1\npage_size = 32\nmax_waiting = 3\nkv_cache_bytes = 1048576\n")
+    eng = load_config(str(bad)).engine
+    assert (eng.max_seqs, eng.page_size, eng.max_waiting, eng.kv_cache_bytes) == (1, 32, 3, 1 << 20)
     bad.write_text("[limits]\nread_timeout_s = 5\n")  # an int where a float is wanted is the same number
     assert load_config(str(bad)).limits.read_timeout_s == 5.0
 

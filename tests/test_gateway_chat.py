@@ -9,14 +9,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 
 import httpx
 import openai
 import pytest
-from fake_engine import REPLY
+from fake_engine import REPLY, REPLY_PIECES
 from gateway_helpers import FakeServer, connect, exchange, request_bytes, split_response, tiny_model
+from prometheus_client.parser import text_string_to_metric_families
 
+from bankml.errors import EngineGone, Overloaded
+from gateway.errors import Api, render
 from model.chat_template import render_chat
 
 pytestmark = pytest.mark.timeout(120)
@@ -345,3 +349,120 @@ def test_usage_and_metrics_answer_with_what_exists(server):
 def test_a_foreign_host_cannot_reach_bankml(server):
     status, _, _ = split_response(exchange(server.port, request_bytes("GET", "/bankml", host="evil.example")))
     assert status == 403
+
+
+# --- many requests at once: /slots, a full waiting queue -------------------------------------------
+
+
+def prometheus(server) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(server.url("/metrics"), timeout=10).text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(v for _, v in sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_slots_in_llama_servers_shape_on_both_addresses(server):
+    for upstream in (False, True):
+        r = httpx.get(server.url("/slots", upstream))
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.json() == [{"id": 0, "n_ctx": 4096, "speculative": False, "is_processing": False, "id_task": -1}]
+        assert httpx.get(server.url("/slots?fail_on_no_slot=1", upstream)).status_code == 200  # one is idle
+    assert httpx.get(server.url("/slots/")).status_code == 404  # only the query is let through
+    assert httpx.get(server.url("/health?fail_on_no_slot=1")).status_code == 404
+
+
+def test_a_full_waiting_queue_is_a_503_with_retry_after_and_the_waiting_request_is_served(pinned):
+    # one sequence at a time and one request waiting at most: LONG runs, HI waits, the third is refused
+    s = FakeServer(*pinned, step_ms=5, engine={"max_seqs": 1, "max_waiting": 1})
+    try:
+        long_body = {"messages": [{"role": "user", "content": "LONG"}], "stream": True, "seed": 7,
+                     "temperature": 0.5, "max_tokens": 3000, "stop": ["never said"]}
+        with httpx.stream("POST", s.url("/v1/chat/completions"), content=json.dumps(long_body).encode(),
+                          headers={"Content-Type": "application/json"}, timeout=30) as long:
+            received = long.iter_bytes()  # kept: a dropped iterator would close the stream
+            next(received)
+
+            [slot] = httpx.get(s.url("/slots", upstream=True)).json()
+            assert slot["is_processing"] and slot["id_task"] >= 0 and slot["speculative"] is False
+            params = slot["params"]
+            assert (params["seed"], params["temperature"], params["n_predict"], params["stop"]) == (
+                7, 0.5, 3000, ["never said"])
+            nt = slot["next_token"][0]
+            assert nt["has_next_token"] and 0 < nt["n_decoded"] and nt["n_remain"] == 3000 - nt["n_decoded"]
+            assert "prompt" not in slot and "generated" not in slot  # another client's text stays its own
+            r = httpx.get(s.url("/slots?fail_on_no_slot=1"))
+            assert r.status_code == 503 and r.json() == {"error": {"code": 503, "message": "no slot available",
+                                                                   "type": "unavailable_error"}}
+
+            waited: dict = {}
+            waiting = threading.Thread(target=lambda: waited.update(r=post(s, "/v1/chat/completions",
+                                                                           {"messages": HI})))
+            waiting.start()
+            for _ in range(200):
+                prom = prometheus(s)
+                if prom["bankml_requests_waiting"][()] == 1:
+                    break
+            assert (prom["bankml_requests_running"][()], prom["bankml_requests_waiting"][()]) == (1, 1)
+
+            for stream in (False, True):
+                r = post(s, "/v1/chat/completions", {"messages": HI, "stream": stream})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                assert r.headers["content-type"] == "application/json"
+                error = r.json()["error"]
+                assert error["type"] == "unavailable_error" and error["code"] == 503
+                assert "1 requests are waiting" in error["message"] and "max_waiting = 1" in error["message"]
+            # the openai client reads it as a 503 (its own retries honour Retry-After)
+            with pytest.raises(openai.InternalServerError) as e:
+                client(s).chat.completions.create(model="any", messages=HI)
+            assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+            prom = prometheus(s)
+            assert (prom["bankml_requests_running"][()], prom["bankml_requests_waiting"][()]) == (1, 1)
+            assert prom["bankml_requests_overloaded_total"][()] == 3
+            assert ("error",) not in prom.get("bankml_answers_total", {})  # a refusal is no failed answer
+        # the client left the long answer: it aborts, and the waiting one runs and completes
+        t_left = time.monotonic()
+        waiting.join(30)
+        assert waited["r"].status_code == 200 and waited["r"].json()["choices"][0]["message"]["content"] == REPLY
+        assert time.monotonic() - t_left < 10
+        record = httpx.get(s.url("/bankml/metrics")).json()["records"][-1]
+        assert record["completion_tokens"] == len(REPLY_PIECES) and record["queue_ms"] > 50  # it waited its turn
+        prom = prometheus(s)
+        assert (prom["bankml_requests_running"][()], prom["bankml_requests_waiting"][()]) == (0, 0)
+        assert prom["bankml_answers_total"][("abort",)] == 1 and prom["bankml_answers_total"][("stop",)] == 1
+        assert post(s, "/v1/chat/completions", {"messages": HI}).status_code == 200  # room again
+        # the scheduler's counters are there; the fake engine has no paged pool, so no KV usage series
+        assert prom["bankml_prefix_cache_queries_total"][()] == 0 and "bankml_kv_cache_usage_ratio" not in prom
+    finally:
+        s.stop()
+
+
+def test_overloaded_is_a_503_with_retry_after_in_each_apis_shape():
+    error = Overloaded("the server is busy", retry_after_s=3)
+    for api, body in [(Api.OPENAI, {"error": {"code": 503, "message": "the server is busy",
+                                              "type": "unavailable_error"}}),
+                      (Api.LLAMA, {"error": {"code": 503, "message": "the server is busy",
+                                             "type": "unavailable_error"}}),
+                      (Api.OLLAMA, {"error": "the server is busy"})]:
+        response = render(error, api)
+        assert response.status == 503 and response.headers["retry-after"] == "3"
+        assert json.loads(response.body) == body
+    assert "retry-after" not in render(EngineGone("gone"), Api.OPENAI).headers  # only a full queue says when
+
+
+def test_slots_lists_every_sequence_slot(pinned):
+    s = FakeServer(*pinned, engine={"max_seqs": 3})
+    try:
+        slots = httpx.get(s.url("/slots")).json()
+        assert [x["id"] for x in slots] == [0, 1, 2] and not any(x["is_processing"] for x in slots)
+        usage = httpx.get(s.url("/bankml/usage")).json()["gpu_limiter"]
+        assert (usage["sequences_max"], usage["sequences_in_use"]) == (3, 0)
+    finally:
+        s.stop()
+
+
+def test_p0_serves_no_slots_of_its_own():
+    # behind llama-server, /slots stays llama-server's (its entries carry every client's prompt): not passed on
+    from gateway import p0
+
+    assert ("GET", "/slots") not in p0.ROUTES

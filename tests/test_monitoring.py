@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,13 @@ from bankml.errors import ConfigInvalid
 from gateway.answer_metrics import KEEP, SOURCE, MetricsRing, answer_record
 from gateway.engine_client import EngineClient
 from gateway.monitoring import Monitoring
+from gateway.prometheus import PromMetrics
 from gpu_monitor.energy import EnergyReading
 from gpu_monitor.readings import read_text
 from gpu_monitor.sample import Monitor
 from model import device_budget
 from model.engine_thread import EngineThread
-from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
+from model.messages import EngineStats, FinishReason, GenerateRequest, SamplingParams, StepOutput, Timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +61,9 @@ def reading(j: float | None) -> EnergyReading:
 def test_record_rates_energy_and_key_order():
     r = answer_record("SmolLM2", last_output(energy=reading(10.0)))
     assert list(r)[: len(RECORD_KEYS)] == RECORD_KEYS
-    assert list(r)[len(RECORD_KEYS):] == ["package_energy_j", "gpu_energy_j", "energy_overlapped", "unavailable"]
+    assert list(r)[len(RECORD_KEYS):] == ["queue_ms", "package_energy_j", "gpu_energy_j", "energy_overlapped",
+                                          "unavailable"]
+    assert r["queue_ms"] == 1000.0  # queued 1 s before its turn (timeline())
     assert (r["prompt_tps"], r["eval_tps"], r["joules_per_token"]) == (200.0, 20.0, 0.2)
     assert (r["ttft_ms"], r["prompt_ms"], r["eval_ms"], r["energy_j"]) == (512.3, 500.0, 2500.0, 10.0)
     assert (r["grammar_ms"], r["resampled"], r["finish"]) == (0.0, 0, "stop")
@@ -153,6 +157,8 @@ def test_one_record_per_answer_with_its_own_energy_span(engine_side):
     a, b = asyncio.run(both())
     assert monitoring.ring.json_dict()["kept"] == 2
     assert (1, 1) in seen  # while the first ran, the second was waiting
+    # ... and its record says how long: at least the first one's 40 steps of 10 ms
+    assert a["queue_ms"] < 100 and b["queue_ms"] >= 0.9 * 400
     assert monitoring.flights() == (0, 0)
     assert (a["completion_tokens"], b["completion_tokens"]) == (40, len(REPLY_PIECES))
     for r in (a, b):
@@ -211,6 +217,10 @@ def test_a_dead_engine_thread_leaves_no_request_counted(tmp_path):
 def scrape(monitoring: Monitoring, usage: dict | None = None) -> dict[str, dict[tuple, float]]:
     body, content_type = monitoring.prom.exposition(usage or {}, None)
     assert content_type.startswith("text/plain; version=")
+    return scrape_text(body)
+
+
+def scrape_text(body: bytes) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
@@ -242,7 +252,35 @@ def test_usage_series_from_a_machine_with_gpus_and_nulls_left_out(tmp_path):
     assert prom["bankml_process_resident_memory_bytes"] == {("bankml serve", "100"): 2048 * 1024}
     assert "bankml_package_energy_joules_total" not in prom  # no RAPL on this fake machine
     assert prom["bankml_model_info"] == {("llama", "e", "SmolLM2.gguf", "ab" * 32): 1}
-    assert prom["bankml_requests_running"] == {(): 0} and prom["bankml_requests_waiting"] == {(): 0}
+    # no engine thread in this process (as in P0): its series are absent, not 0
+    for name in ("bankml_requests_running", "bankml_requests_waiting", "bankml_kv_cache_usage_ratio",
+                 "bankml_prefix_cache_queries_total"):
+        assert name not in prom, name
+
+
+def test_the_schedulers_series_are_read_from_its_snapshot_at_scrape_time():
+    snapshot = EngineStats(max_seqs=4, running=2, waiting=1, page_size=16, pages_total=100, pages_used=25,
+                           pages_cached=10, prefix_queries_tokens=1000, prefix_hits_tokens=640, preemptions=3)
+    now = {"stats": snapshot}
+    prom = PromMetrics(lambda: (now["stats"].running, now["stats"].waiting), lambda: {}, lambda: now["stats"])
+    body, _ = prom.exposition({}, None)
+    got = scrape_text(body)
+    assert (got["bankml_requests_running"][()], got["bankml_requests_waiting"][()]) == (2, 1)
+    assert got["bankml_kv_cache_usage_ratio"][()] == 0.25
+    assert got["bankml_kv_cache_pages"] == {("cached",): 10, ("free",): 65, ("used",): 25}
+    assert (got["bankml_prefix_cache_queries_total"][()], got["bankml_prefix_cache_hits_total"][()]) == (1000, 640)
+    assert got["bankml_num_preemptions_total"][()] == 3
+    # cumulative in the engine, so the counters follow it: never inc()'d here, never double counted
+    now["stats"] = replace(snapshot, prefix_queries_tokens=1500, prefix_hits_tokens=900, preemptions=4)
+    got = scrape_text(prom.exposition({}, None)[0])
+    assert (got["bankml_prefix_cache_queries_total"][()], got["bankml_prefix_cache_hits_total"][()]) == (1500, 900)
+    assert got["bankml_num_preemptions_total"][()] == 4
+    # an engine without a paged pool has no KV series; no snapshot yet: no scheduler series at all
+    now["stats"] = EngineStats(max_seqs=1, running=1)
+    got = scrape_text(prom.exposition({}, None)[0])
+    assert "bankml_kv_cache_usage_ratio" not in got and got["bankml_prefix_cache_hits_total"][()] == 0
+    got = scrape_text(PromMetrics(lambda: (0, 0), lambda: {}, lambda: None).exposition({}, None)[0])
+    assert "bankml_prefix_cache_queries_total" not in got and got["bankml_requests_running"][()] == 0
 
 
 def test_each_app_has_its_own_registry(engine_side):
@@ -265,19 +303,53 @@ class FakeDevice:
         return {"bytes_in_use": 3 << 30, "bytes_limit": 100 << 30, "peak_bytes_in_use": 4 << 30}
 
 
-def test_limiter_reads_the_allocator_and_the_busy_slots(monkeypatch):
+def test_limiter_reads_the_allocator_and_the_running_sequences(monkeypatch):
     engine = FakeEngine()
-    engine.n_slots = 4
-    engine._live = 3
+    engine.max_seqs = 4
     monkeypatch.setattr(device_budget, "_device", lambda: FakeDevice)
-    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, n_slots=8)().to_json()
+    snapshot = EngineStats(max_seqs=4, running=3, waiting=2)
+    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, max_seqs=8,
+                                            stats=lambda: snapshot)().to_json()
     assert (status["limit"], status["allocated_bytes"], status["limit_bytes"]) == (0.85, 3 << 30, 100 << 30)
     assert (status["sequences_max"], status["sequences_in_use"], status["device"]) == (4, 3, "gpu:0")
+    assert "sequences_in_use" not in status["unavailable"]
+    # no snapshot yet: the engine's own count of free slots
+    status = device_budget.limiter_provider(lambda: engine, memory_fraction=0.85, max_seqs=8,
+                                            stats=lambda: None)().to_json()
+    assert (status["sequences_max"], status["sequences_in_use"]) == (4, 0)
     monkeypatch.setattr(device_budget, "_device", lambda: None)
-    status = device_budget.limiter_provider(lambda: None, memory_fraction=0.75, n_slots=2)().to_json()
+    status = device_budget.limiter_provider(lambda: None, memory_fraction=0.75, max_seqs=2,
+                                            stats=lambda: snapshot)().to_json()
     assert status["allocated_bytes"] is None and "no JAX device memory" in status["unavailable"]["allocated_bytes"]
-    assert (status["sequences_max"], status["sequences_in_use"]) == (2, 0)
+    assert (status["sequences_max"], status["sequences_in_use"]) == (2, 0)  # unloaded: a stale snapshot is not read
     assert status["unavailable"]["sequences_in_use"] == "no model is resident"
+
+
+def test_limiter_counts_the_sequences_the_engine_thread_runs(tmp_path):
+    thread = EngineThread()
+    engine = FakeEngine(step_s=0.005)
+    engine.max_seqs = 2
+    thread.call(lambda: thread.set_engine(engine)).result()
+    client = EngineClient(thread)
+    provider = device_budget.limiter_provider(lambda: thread.engine, memory_fraction=0.75, max_seqs=2,
+                                              stats=client.stats)
+    seen: set[tuple[int, int]] = set()
+
+    async def three():
+        async def one(text):
+            async with client.generate(job(text, max_tokens=30)) as generation:
+                async for _ in generation:
+                    status = provider()
+                    seen.add((status.sequences_max, status.sequences_in_use))
+
+        await asyncio.gather(one("LONG a"), one("LONG b"), one("LONG c"))
+
+    try:
+        asyncio.run(three())
+        assert (2, 2) in seen and max(n for _, n in seen) == 2  # two run at once, the third waits
+        assert provider().sequences_in_use == 0
+    finally:
+        thread.stop()
 
 
 def test_memory_fraction_goes_to_jax_unless_the_operator_set_it(monkeypatch):
