@@ -46,10 +46,9 @@ from bankml.progress import stderr_progress
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
-from model.engine_thread import Iteration
 from model.forward import forward
 from model.kvcache import KVPool, init_pool, page_bytes
-from model.messages import EngineStats, GenerateRequest, SamplingParams, StepOutput
+from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.pages import PagePool
 from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling

@@ -36,18 +36,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from bankml.errors import InvalidRequest, Overloaded
-from model.messages import EngineStats, FinishReason, GenerateRequest, StepOutput, Timeline
+from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, StepOutput, Timeline
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Iteration:
-    """What one scheduler iteration did: the tasks it admitted to a sequence (with when), and one
-    output per sequence that produced a token (or ended)."""
-
-    admitted: list[tuple[int, float]] = field(default_factory=list)
-    outputs: list[tuple[int, StepOutput]] = field(default_factory=list)
 
 
 class BatchEngine(Protocol):
@@ -244,6 +235,7 @@ class EngineThread:
             log.error("the engine thread stopped: %s", why)
             with self._lock:
                 self.failure = why
+                self._stats = None  # nothing runs or waits on a dead thread
             if isinstance(job, _Call) and not job.future.done():
                 job.future.set_exception(EngineThreadFailed(why))
             elif isinstance(job, _Generate) and job.task < 0:

@@ -223,3 +223,12 @@ class EngineStats:
     @property
     def kv_usage_ratio(self) -> float:
         return self.pages_used / self.pages_total if self.pages_total else 0.0
+
+
+@dataclass
+class Iteration:
+    """What one scheduler iteration did: the tasks it admitted to a sequence (with when), and one
+    output per sequence that produced a token (or ended)."""
+
+    admitted: list[tuple[int, float]] = field(default_factory=list)
+    outputs: list[tuple[int, StepOutput]] = field(default_factory=list)

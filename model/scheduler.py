@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from model.completion import Completion
-from model.engine_thread import Iteration
-from model.messages import EngineStats, FinishReason, GenerateRequest, SequenceState, StepOutput
+from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SequenceState, StepOutput
 from model.pages import ROOT_DIGEST, PagePool, chain_digest
 
 

@@ -9,8 +9,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from model.engine_thread import Iteration, _why
-from model.messages import EngineStats, FinishReason, GenerateRequest, SamplingParams, StepOutput
+from model.engine_thread import _why
+from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SamplingParams, StepOutput
 
 
 class GeneratorBatch:
