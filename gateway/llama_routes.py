@@ -109,16 +109,14 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
     """One slot as llama-server's `server_slot::to_json` writes it (tools/server/server-context.cpp).
 
     Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
-    anyone who can reach /slots would read; and, while a prompt is still being computed in chunks,
-    `n_prompt_tokens_processed`, which the snapshot does not count until the prompt is done. An idle
+    anyone who can reach /slots would read. An idle
     slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1."""
     out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
                            "is_processing": seq.is_processing, "id_task": seq.id_task}
     if not seq.is_processing:
         return out
     out["n_prompt_tokens"] = seq.n_prompt
-    if not seq.prefilling:
-        out["n_prompt_tokens_processed"] = seq.n_prompt - seq.n_cached
+    out["n_prompt_tokens_processed"] = max(0, seq.n_prompt_done - seq.n_cached)
     out["n_prompt_tokens_cache"] = seq.n_cached
     if seq.params is not None:
         out["params"] = _params_json(seq.params)

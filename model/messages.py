@@ -197,6 +197,7 @@ class SequenceState:
     n_ctx: int
     n_prompt: int = 0
     n_cached: int = 0  # prompt tokens served from the prefix cache
+    n_prompt_done: int = 0  # prompt tokens computed or cached so far
     n_decoded: int = 0
     n_remain: int = -1  # tokens left before max_tokens (-1: no limit)
     prefilling: bool = False  # its prompt is not yet all computed

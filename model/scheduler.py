@@ -260,7 +260,7 @@ class Scheduler:
             c, max_tokens = seq.completion, seq.request.params.max_tokens
             states.append(SequenceState(
                 id=slot, id_task=seq.task, is_processing=True, n_ctx=self.n_ctx, n_prompt=c.n_prompt,
-                n_cached=c.n_cached, n_decoded=c.n_generated,
+                n_cached=c.n_cached, n_prompt_done=min(seq.n_computed, c.n_prompt), n_decoded=c.n_generated,
                 n_remain=-1 if max_tokens < 0 else max(0, max_tokens - c.n_generated),
                 prefilling=seq.prefilling, params=seq.request.params))
         return EngineStats(
