@@ -65,8 +65,8 @@ CONTINUE_BUCKET = 64  # the smallest bucket of a prompt's rest after a reused pr
 MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 PAGE_SIZE = 16  # tokens per KV page
 # What first requests need (`essential_keys`): prompts of up to this many tokens from position 0 (or
-# a short rest after a cached prefix), then answers while prompt and answer fit in ESSENTIAL_CELLS, at
-# every batch size; larger shapes compile in the background
+# a short rest after a cached prefix), then an answer while prompt and answer fit in ESSENTIAL_CELLS
+# (several at once: MIN_WINDOW); larger shapes compile in the background
 ESSENTIAL_PROMPT = 256
 ESSENTIAL_CELLS = 512
 
@@ -258,17 +258,15 @@ class Engine:
 
     def essential_keys(self) -> list[tuple[str, int, int]]:
         """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
-        a rest of at most 2 * CONTINUE_BUCKET after a cached prefix) and prompt and answer fit in
-        ESSENTIAL_CELLS: the smallest prefill buckets (from position 0, and the two smallest after a
-        cached prefix), the smallest decode windows at every batch size, the samplers and the history
-        row."""
+        a rest of at most 2 * CONTINUE_BUCKET after a cached prefix of less than MIN_WINDOW) and prompt
+        and answer fit in ESSENTIAL_CELLS (several requests at once: MIN_WINDOW): the smallest prefill
+        buckets, the smallest decode windows, the samplers and the history row."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
-        keys += [("prefill", t, self._window_pages(w, self._prefill_windows))
-                 for w in self.window_buckets() if w <= ESSENTIAL_CELLS
+        keys += [("prefill", t, self._window_pages(MIN_WINDOW, self._prefill_windows))
                  for t in self._continue_buckets() if t <= 2 * CONTINUE_BUCKET]
-        for b in self._batches:
+        for b in self._batches:  # one sequence up to ESSENTIAL_CELLS, several at once in the smallest window
             keys += [("decode", b, self._window_pages(w, self._decode_windows))
-                     for w in self._decode_windows if w <= ESSENTIAL_CELLS]
+                     for w in self._decode_windows if w <= (ESSENTIAL_CELLS if b == 1 else MIN_WINDOW)]
         keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
         return list(dict.fromkeys(keys))
 
