@@ -374,3 +374,83 @@ def test_stats_show_each_slot_and_the_pool():
 def test_a_pool_smaller_than_one_context_is_refused():
     with pytest.raises(ValueError, match="one sequence of the whole context"):
         make(n_pages=15, page_size=4, n_ctx=64)
+
+
+# --- on the tiny random model ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("sched") / "tiny.gguf", "llama", n_layer=2, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    """A pool just above one context (16 pages of 16 for n_ctx 256): four short requests fit in it at
+    once, three long ones must take turns. One engine for every test here: its programs compile once."""
+    from model.engine import Engine
+    from model.kvcache import page_bytes
+    from model.weights import load_weights
+
+    per_page = page_bytes(load_weights(tiny_path, verified=True)[0], 16)
+    engine = Engine.load(tiny_path, verified=True, n_ctx=256, max_seqs=4, warmup=False,
+                         kv_cache_bytes=16 * per_page + per_page // 2)
+    assert engine.stats().pages_total == 16
+    return engine
+
+
+def _run_together(engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Every request added at once, iterated to the end; each one's tokens."""
+    tasks = [engine.add(GenerateRequest(p, params, f"r{i}")) for i, (p, params) in enumerate(requests)]
+    got: dict[int, list[int]] = {t: [] for t in tasks}
+    done: set[int] = set()
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for task, out in engine.iterate().outputs:
+            got[task].append(out.token)
+            if out.finish_reason is not None:
+                done.add(task)
+    assert done == set(tasks)
+    return [got[t] for t in tasks]
+
+
+def _alone(engine, p: list[int], params: SamplingParams) -> list[int]:
+    return [o.token for o in engine.generate(p, params)]
+
+
+def test_greedy_tokens_are_the_same_alone_and_batched(engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, cache_prompt=False)
+    prompts = [prompt(n, seed=60 + n) for n in (5, 17, 33, 48)]
+    alone = [_alone(engine, p, greedy) for p in prompts]
+    before = engine.stats().preemptions
+    assert _run_together(engine, [(p, greedy) for p in prompts]) == alone
+    s = engine.stats()
+    assert s.preemptions == before and s.pages_used == 0  # all four fitted at once
+
+
+def test_a_seeded_request_draws_the_same_tokens_among_others(engine):
+    seeded = SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=11, max_tokens=16)
+    p = prompt(21, seed=70)
+    alone = _alone(engine, p, seeded)
+    others = [(prompt(9 + i, seed=71 + i), SamplingParams(temperature=0.9, seed=i, max_tokens=10 + 3 * i))
+              for i in range(3)]
+    together = _run_together(engine, [others[0], (p, seeded), *others[1:]])
+    assert together[1] == alone
+    assert _run_together(engine, [(p, seeded)]) == [alone]
+
+
+def test_a_pool_of_one_context_serves_long_generations_through_preemption(engine):
+    greedy = SamplingParams(temperature=0.0, max_tokens=70)
+    seeded = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_tokens=70)
+    # each grows to about 100 tokens (7 pages): three need 21 of the 16
+    requests = [(prompt(30, seed=80), greedy), (prompt(40, seed=81), seeded), (prompt(25, seed=82), greedy)]
+    alone = [_alone(engine, p, params) for p, params in requests]
+    before = engine.stats().preemptions
+    together = _run_together(engine, requests)
+    assert engine.stats().preemptions > before
+    assert together == alone
+    s = engine.stats()
+    assert s.pages_used == 0 and s.running == 0 and s.waiting == 0
