@@ -257,6 +257,22 @@ def test_cancel_frees_a_running_sequence_and_a_waiting_one():
     assert tokens(outs[c]) == reference(prompt(10, seed=32), 2)
 
 
+def test_a_sequence_cancelled_mid_prompt_frees_its_pages_and_leaves_its_full_pages_cached():
+    sched, runner = make(budget=8, page_size=4)
+    p = prompt(40, seed=33)
+    a = add(sched, p, max_tokens=2)
+    sched.iterate()
+    sched.iterate()  # 16 of its 40 prompt tokens computed: four full pages
+    assert sched.running[0].n_computed == 16
+    assert sched.cancel(a).finish_reason is FinishReason.ABORT
+    assert (sched.pool.used, sched.pool.cached) == (0, 4)
+    runner.prefills.clear()
+    b = add(sched, p, max_tokens=2)
+    outs, _ = drain(sched)
+    assert outs[b][-1].cached_tokens == 16 and runner.prefills[0] == (b, 16, 8)
+    assert tokens(outs[b]) == reference(p, 2)
+
+
 # --- the prefix cache -------------------------------------------------------------------------------
 
 
