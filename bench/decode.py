@@ -15,7 +15,7 @@ runs, and the JSON gives the medians (and every sample: a shared box is noisy). 
   rss_after_warmup_bytes and rss_end_bytes (VmRSS): the peak is the compiler's, the rest is what stays.
 - profile (with --profile): where one decode step of ours spends its time, by XLA op.
 - start (ours; --no-start skips it): `bankml serve`'s start-up for the served configuration
-  (configs/default.toml's ctx, n_slots and largest prefill bucket, or --start-ctx), each in a fresh
+  (configs/default.toml's ctx, max_seqs and largest prefill bucket, or --start-ctx), each in a fresh
   process: "first" with an empty compile cache, "cached" with the one the first start filled; for
   "essentials" (what serve compiles before it binds) and "all" (every program, what warmup() compiles).
   process_s is the child's wall time (Python and JAX imports included), start_s its load + compile.
@@ -81,12 +81,28 @@ class Ours:
         from model.messages import GenerateRequest, SamplingParams
 
         engine = self.engine
-        t0 = time.perf_counter()
-        tokens = [engine.submit(GenerateRequest(ids, SamplingParams(temperature=0.0, max_tokens=n_decode), "b")).token]
-        t_first = time.perf_counter()
-        while engine.active_requests():
-            tokens += [o.token for _, o in engine.step()]
-        t_end = time.perf_counter()
+        # the first iteration samples the first token and runs the first decode step: time the first
+        # sample itself, so ttft stays prompt -> first token
+        sampled: list[float] = []
+        plain = engine.sample
+
+        def timed(seqs, logits):
+            out = plain(seqs, logits)
+            if not sampled:
+                sampled.append(time.perf_counter())
+            return out
+
+        engine.sample = timed  # the scheduler calls its runner's sample: this instance's
+        try:
+            t0 = time.perf_counter()
+            engine.add(GenerateRequest(ids, SamplingParams(temperature=0.0, max_tokens=n_decode), "b"))
+            tokens = []
+            while engine.has_work():
+                tokens += [o.token for _, o in engine.iterate().outputs]
+            t_end = time.perf_counter()
+        finally:
+            del engine.sample
+        t_first = sampled[0]
         return {"ttft_ms": (t_first - t0) * 1e3, "prefill_tok_per_s": len(ids) / (t_first - t0),
                 "decode_tok_per_s": (len(tokens) - 1) / (t_end - t_first), "decode_tokens": len(tokens)}
 
@@ -101,16 +117,20 @@ class Ours:
         import numpy as np
 
         e = self.engine
-        program = e._program("decode", 1, e.window_buckets()[0])
-        args = (np.zeros(e.n_slots, np.int32), np.ones(e.n_slots, bool))
-        e.cache, logits = program(e.weights, e.cache, *args)
+        # one sequence's decode step in the smallest window, as the runs above decode (batch 1)
+        window = e._window_pages(e.decode_window_buckets()[0], e.decode_window_buckets())
+        program = e._program("decode", 1, window)
+        args = (np.zeros((1, 1), np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
+                np.array([window * e.page_size - 1], np.int32), np.ones(1, np.int32))
+        e.pool, logits = program(e.weights, e.pool, *args)
         logits.block_until_ready()
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 for _ in range(5):
-                    e.cache, logits = program(e.weights, e.cache, *args)
+                    e.pool, logits = program(e.weights, e.pool, *args)
                 logits.block_until_ready()
             trace = json.load(gzip.open(glob.glob(f"{tmp}/**/*perfetto_trace.json.gz", recursive=True)[0]))
+        e.reset()  # those steps wrote into pages the prefix cache may list
         total, calls = collections.Counter(), collections.Counter()
         for ev in trace["traceEvents"]:
             name = ev.get("name", "")
@@ -159,12 +179,12 @@ class LlamaServer:
         self.proc.wait(30)
 
 
-def measure_start(model: Path, n_ctx: int, n_slots: int, prefill_chunk: int, cache_dir: Path,
+def measure_start(model: Path, n_ctx: int, max_seqs: int, prefill_chunk: int, cache_dir: Path,
                   essential: bool) -> dict:
     """One start of ours in a fresh process (no in-memory compile cache): load, then warm the essentials
     or everything, with `cache_dir` as JAX's persistent compile cache."""
     cmd = [sys.executable, __file__, "--model", str(model), "--start-child", str(cache_dir), "--start-ctx", str(n_ctx),
-           "--start-slots", str(n_slots), "--start-chunk", str(prefill_chunk), *(["--essential"] if essential else [])]
+           "--start-seqs", str(max_seqs), "--start-chunk", str(prefill_chunk), *(["--essential"] if essential else [])]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -176,7 +196,7 @@ def _start_child(args) -> None:
     from model.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, verified=True, n_ctx=args.start_ctx, n_slots=args.start_slots, warmup=False,
+    engine = Engine.load(args.model, verified=True, n_ctx=args.start_ctx, max_seqs=args.start_seqs, warmup=False,
                          prefill_chunk=args.start_chunk, compile_cache_dir=args.start_child)
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup(essential=args.essential)
@@ -189,14 +209,14 @@ def start_times(model: Path, n_ctx: int | None) -> dict:
     from bankml.config import load_config
 
     config = load_config()
-    n_ctx = n_ctx or config["serve"]["ctx"]
-    n_slots, chunk = config["engine"]["n_slots"], config["engine"]["max_prefill_bucket"]
-    out: dict = {"n_ctx": n_ctx, "n_slots": n_slots, "max_prefill_bucket": chunk, "first": {}, "cached": {}}
+    n_ctx = n_ctx or config.serve.ctx
+    max_seqs, chunk = config.engine.max_seqs, config.engine.max_prefill_bucket
+    out: dict = {"n_ctx": n_ctx, "max_seqs": max_seqs, "max_prefill_bucket": chunk, "first": {}, "cached": {}}
     with tempfile.TemporaryDirectory(prefix="bankml-xla-") as tmp:
         for scope, essential in (("all", False), ("essentials", True)):
             cache = Path(tmp) / scope
-            out["first"][scope] = measure_start(model, n_ctx, n_slots, chunk, cache, essential)
-            out["cached"][scope] = measure_start(model, n_ctx, n_slots, chunk, cache, essential)
+            out["first"][scope] = measure_start(model, n_ctx, max_seqs, chunk, cache, essential)
+            out["cached"][scope] = measure_start(model, n_ctx, max_seqs, chunk, cache, essential)
     return out
 
 
@@ -227,7 +247,7 @@ def main() -> int:
     ap.add_argument("--start-ctx", type=int, help="n_ctx of the start-up measurement (default: serve's ctx)")
     ap.add_argument("--no-start", action="store_true", help="skip the start-up measurement")
     ap.add_argument("--start-child", type=Path, help=argparse.SUPPRESS)  # one start, in a child process
-    ap.add_argument("--start-slots", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--start-seqs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--start-chunk", type=int, default=512, help=argparse.SUPPRESS)
     ap.add_argument("--essential", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -73,7 +73,7 @@ def test_breakers_become_restart_sequences_as_llama_cpp_builds_them():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("dry") / "tiny.gguf", "llama", n_layer=2, scale=0.3)
-    return Engine.load(path, verified=True, n_ctx=256, n_slots=2, warmup=False)
+    return Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False)
 
 
 def _repeating_prompt(engine) -> tuple[list[int], int]:

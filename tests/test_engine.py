@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = write_tiny_gguf(tmp_path_factory.mktemp("engine") / "tiny.gguf", "llama", n_layer=2, scale=0.3)
-    return Engine.load(path, verified=True, n_ctx=1024, n_slots=2, warmup=False)
+    return Engine.load(path, verified=True, n_ctx=1024, max_seqs=2, warmup=False)
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -107,19 +107,26 @@ def test_logprobs_are_the_raw_log_softmax(engine):
 
 
 def test_two_requests_share_the_batch(engine):
-    """Requests decoded side by side in two slots give the tokens each gives alone."""
+    """Requests decoded side by side in two sequences give the tokens each gives alone; a third waits
+    for a free sequence instead of being refused."""
     a, b = _prompt(20, seed=6), _prompt(33, seed=7)
-    alone_a = _tokens(engine.generate(a, SamplingParams(temperature=0.0, max_tokens=6)))
-    alone_b = _tokens(engine.generate(b, SamplingParams(temperature=0.9, seed=3, max_tokens=9)))
-    got = {"a": [engine.submit(GenerateRequest(a, SamplingParams(temperature=0.0, max_tokens=6), "a")).token]}
-    got["b"] = [engine.submit(GenerateRequest(b, SamplingParams(temperature=0.9, seed=3, max_tokens=9), "b")).token]
-    with pytest.raises(EngineError, match="all slots are busy"):
-        engine.submit(GenerateRequest(a, GREEDY, "c"))
-    while engine.active_requests():
-        for rid, out in engine.step():
-            got[rid].append(out.token)
-    assert got == {"a": alone_a, "b": alone_b}
-    assert engine.free_slots() == 2
+    pa, pb = SamplingParams(temperature=0.0, max_tokens=6), SamplingParams(temperature=0.9, seed=3, max_tokens=9)
+    alone_a, alone_b = _tokens(engine.generate(a, pa)), _tokens(engine.generate(b, pb))
+    alone_c = _tokens(engine.generate(a, SamplingParams(temperature=0.0, max_tokens=3)))
+    tasks = {engine.add(GenerateRequest(a, pa, "a")): "a", engine.add(GenerateRequest(b, pb, "b")): "b",
+             engine.add(GenerateRequest(a, SamplingParams(temperature=0.0, max_tokens=3), "c")): "c"}
+    got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    admitted = []
+    while engine.has_work():
+        it = engine.iterate()
+        admitted.append([tasks[t] for t, _ in it.admitted])
+        if admitted[-1] == ["a", "b"]:
+            assert engine.stats().running == 2 and engine.stats().waiting == 1
+        for task, out in it.outputs:
+            got[tasks[task]].append(out.token)
+    assert admitted[0] == ["a", "b"] and ["c"] in admitted
+    assert got == {"a": alone_a, "b": alone_b, "c": alone_c}
+    assert engine.free_slots() == 2 and engine.stats().pages_used == 0
 
 
 def test_stop_string_ends_the_generation(engine):
@@ -164,34 +171,64 @@ def test_the_chain_samples_on_the_device_for_every_parameter(engine):
         assert a == _tokens(engine.generate(prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=6, **kw)))
 
 
-def test_a_prompt_that_shares_a_prefix_reuses_the_slot(engine):
-    """The same answer with or without reuse; the reused prefix is reported as cached tokens."""
+def test_a_prompt_that_shares_a_prefix_reuses_the_cached_pages(engine):
+    """The same answer with or without reuse; the reused prefix is reported as cached tokens, in whole
+    pages of 16, from whichever sequence computed them."""
     prompt = _prompt(50, seed=11)
     first = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)))
-    assert first[-1].cached_tokens < 50
-    slot = next(i for i in range(engine.n_slots) if engine.held_tokens(i)[:50] == prompt)
-    assert engine.held_tokens(slot) == prompt + _tokens(first)[:-1]  # the last token is never decoded
+    assert first[-1].cached_tokens == 0
     again = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5)))
-    assert _tokens(again) == _tokens(first) and again[-1].cached_tokens == 49  # the last runs again
+    assert _tokens(again) == _tokens(first) and again[-1].cached_tokens == 48  # 3 full pages of the 50
+    # the prompt and what was generated (all but the last token, never decoded): 54 tokens, 3 full pages
     longer = prompt + _tokens(first)[:-1] + _prompt(20, seed=12)
     reused = list(engine.generate(longer, SamplingParams(temperature=0.0, max_tokens=4)))
-    assert reused[-1].cached_tokens == 54
+    assert reused[-1].cached_tokens == 48
     cold = list(engine.generate(longer, SamplingParams(temperature=0.0, max_tokens=4, cache_prompt=False)))
     assert cold[-1].cached_tokens == 0 and _tokens(cold) == _tokens(reused)
     assert _tokens(reused) == _greedy_by_full_forward(engine, longer, 4)
+    # a prompt of whole pages, all cached, still computes its last page for the next token's logits
+    whole = longer[:64]
+    list(engine.generate(whole, SamplingParams(temperature=0.0, max_tokens=1)))
+    outs = list(engine.generate(whole, SamplingParams(temperature=0.0, max_tokens=2)))
+    assert outs[-1].cached_tokens == 48 and _tokens(outs) == _greedy_by_full_forward(engine, whole, 2)
 
 
-def test_cancel_frees_the_slot(engine):
-    out = engine.submit(GenerateRequest(_prompt(8), GREEDY, "x"))
-    assert out.finish_reason is None and engine.active_requests() == ["x"]
-    final = engine.cancel("x")
+def test_the_prefix_is_shared_while_its_first_request_still_runs(engine):
+    """A shared system prompt: the second request reuses the first one's pages while the first decodes
+    in the other sequence."""
+    system = _prompt(40, seed=13)
+    a, b = system + _prompt(5, seed=14), system + _prompt(7, seed=15)
+    alone_b = _tokens(engine.generate(b, SamplingParams(temperature=0.0, max_tokens=4, cache_prompt=False)))
+    ta = engine.add(GenerateRequest(a, SamplingParams(temperature=0.0, max_tokens=20), "a"))
+    engine.iterate()  # a's prompt is in: its two full pages are cached
+    tb = engine.add(GenerateRequest(b, SamplingParams(temperature=0.0, max_tokens=4), "b"))
+    outs = {ta: [], tb: []}
+    while engine.has_work():
+        for task, out in engine.iterate().outputs:
+            outs[task].append(out)
+        running = {s.task: s for s in engine.scheduler.running}
+        if ta in running and tb in running:
+            assert running[tb].pages[:2] == running[ta].pages[:2] and running[ta].slot != running[tb].slot
+    assert outs[tb][-1].cached_tokens == 32 and _tokens(outs[tb]) == alone_b
+
+
+def test_cancel_frees_the_sequence(engine):
+    task = engine.add(GenerateRequest(_prompt(8), GREEDY, "x"))
+    outs = engine.iterate().outputs
+    assert outs and all(t == task and out.finish_reason is None for t, out in outs)
+    assert engine.stats().running == 1
+    assert engine.stats().pages_used > 0
+    final = engine.cancel(task)
     assert final.finish_reason is FinishReason.ABORT and engine.free_slots() == 2
-    assert engine.cancel("x") is None
+    assert engine.stats().pages_used == 0 and not engine.has_work()
+    assert engine.cancel(task) is None
+    waiting = engine.add(GenerateRequest(_prompt(8), GREEDY, "y"))  # cancelled before it ever ran
+    assert engine.cancel(waiting).finish_reason is FinishReason.ABORT and not engine.has_work()
 
 
 def test_no_recompiles_after_warmup(tmp_path, caplog):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
-    engine = Engine.load(path, verified=True, n_ctx=256, n_slots=2, warmup=False)
+    engine = Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False)
     assert engine.warmup() > 0
     jax.config.update("jax_log_compiles", True)
     try:
@@ -208,6 +245,12 @@ def test_no_recompiles_after_warmup(tmp_path, caplog):
             prompt = _prompt(30, seed=9)  # then the same prompt grown: the rest runs after the reused cells
             first = _tokens(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3)))
             list(engine.generate(prompt + first[:-1] + _prompt(100, seed=10), GREEDY))
+            # and two sequences at once: the batched decode step at batch size 2
+            tasks = [engine.add(GenerateRequest(_prompt(20 + 30 * i, seed=20 + i), SamplingParams(
+                temperature=0.5, seed=i, max_tokens=5), f"b{i}")) for i in range(2)]
+            while engine.has_work():
+                engine.iterate()
+            assert len(tasks) == 2
             compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     finally:
         jax.config.update("jax_log_compiles", False)
@@ -221,7 +264,9 @@ def test_the_largest_prefill_bucket_is_a_setting(tmp_path):
     prompt = _prompt(150, seed=11)  # three chunks of 64
     outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2)))
     assert _tokens(outs) == _greedy_by_full_forward(engine, prompt, 2)
-    assert engine.held_tokens() == prompt + _tokens(outs)[:1]
+    # every chunk's K/V went into the pages: a second time, all 9 full pages of the 150 are reused
+    again = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2)))
+    assert again[-1].cached_tokens == 144 and _tokens(again) == _tokens(outs)
     for bad in (100, 8):
         with pytest.raises(EngineError, match="must be a power of two of at least 16"):
             Engine.load(path, verified=True, n_ctx=512, warmup=False, prefill_chunk=bad)
@@ -242,8 +287,7 @@ def test_a_restart_reuses_the_persistent_compile_cache(tmp_path):
     subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
     first = sorted(p.name for p in cache.iterdir())
     n_programs = len(Engine.load(path, verified=True, n_ctx=256, warmup=False).program_keys())
-    assert len([n for n in first if n.startswith(("jit_prefill-", "jit_decode_step-", "jit_select-",
-                                                  "jit_put_row-"))]) == n_programs
+    assert len([n for n in first if n.startswith(("jit_run-", "jit_select-", "jit_put_row-"))]) == n_programs
     subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
     assert sorted(p.name for p in cache.iterdir()) == first
 

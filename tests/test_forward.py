@@ -18,7 +18,7 @@ from tiny_gguf import write_tiny_gguf
 from kernels.dequant import UnsupportedTensorType
 from model.config import Config, UnsupportedModel
 from model.forward import forward
-from model.kvcache import init_cache
+from model.kvcache import init_pool
 from model.weights import load_weights
 
 ARCHS = {
@@ -61,9 +61,11 @@ def _tokens(n: int, seed: int = 1) -> np.ndarray:
 
 
 def _full_logits(config, weights, tokens, kv_dtype=jnp.float32) -> np.ndarray:
-    cache = init_cache(config, 1, len(tokens), kv_dtype)
-    logits, _ = forward(weights, cache, jnp.asarray(tokens)[None], jnp.int32(0),
-                        jnp.array([len(tokens)], jnp.int32), config=config, window=0, all_logits=True)
+    n_pages = -(-len(tokens) // 16)
+    pool = init_pool(config, n_pages, 16, kv_dtype)
+    logits, _ = forward(weights, pool, jnp.asarray(tokens)[None], np.arange(n_pages, dtype=np.int32)[None],
+                        jnp.zeros(1, jnp.int32), jnp.array([len(tokens)], jnp.int32), config=config,
+                        window_pages=0, all_logits=True)
     return np.asarray(logits[0])
 
 
@@ -150,45 +152,74 @@ def test_the_f16_cache_attends_as_llama_cpp_does(tiny):
     """
     _, path, config, weights = tiny
     tokens = _tokens(12)
-    assert init_cache(config, 1, 4).k.dtype == jnp.float16
+    assert init_pool(config, 1, 4).k.dtype == jnp.float16
     ours = _full_logits(config, weights, tokens, jnp.float16)
     _close(ours, _reference_logits(path, config, tokens, kv_f16=True), rtol=4e-4)
     assert not np.array_equal(ours, _full_logits(config, weights, tokens))
 
 
+def _run(weights, pool, config, tokens, tables, starts, n_new, window_pages, all_logits=False):
+    """One forward step over rows of `tokens` (a list of lists, padded to one length)."""
+    t = max(len(r) for r in tokens)
+    padded = np.zeros((len(tokens), t), np.int32)
+    for i, r in enumerate(tokens):
+        padded[i, :len(r)] = r
+    return forward(weights, pool, padded, np.asarray(tables, np.int32), np.asarray(starts, np.int32),
+                   np.asarray(n_new, np.int32), config=config, window_pages=window_pages, all_logits=all_logits)
+
+
 def test_cache_decode_matches_full_forward(tiny_cache):
-    """Prefill 5 tokens, then decode 11 one at a time through the cache: same logits as one pass."""
+    """Prefill 5 tokens, then decode 11 one at a time through pages of 4 scattered over the pool, beside
+    a padding row: the same logits as one pass, and nothing written outside the row's pages."""
     _, _, config, weights = tiny_cache
     tokens = _tokens(16, seed=2)
     full = _full_logits(config, weights, tokens)
-    cache = init_cache(config, 2, 64, jnp.float32)
-    logits, cache = forward(weights, cache, jnp.asarray(tokens[:5])[None], jnp.int32(1), jnp.array([5], jnp.int32),
-                            config=config, window=0)
+    pool = init_pool(config, 8, 4, jnp.float32)
+    table = [5, 2, 7, 0]  # positions 0-3 in page 5, 4-7 in page 2, ...
+    logits, pool = _run(weights, pool, config, [tokens[:5]], [table], [0], [5], 0)
     got = [np.asarray(logits[0])]
     for i in range(5, 16):
-        step = jnp.array([[0], [tokens[i]]], jnp.int32)  # slot 0 idle, slot 1 decodes
-        logits, cache = forward(weights, cache, step, jnp.int32(0), jnp.array([0, 1], jnp.int32),
-                                config=config, window=32)
+        # row 0 pads (nothing real: its writes are dropped), row 1 decodes
+        logits, pool = _run(weights, pool, config, [[0], [tokens[i]]], [[0] * 4, table], [0, i], [0, 1], 4)
         got.append(np.asarray(logits[1]))
     _close(np.stack(got), full[4:])
-    assert np.asarray(cache.lengths).tolist() == [0, 16]
+    k = np.asarray(pool.k)
+    assert not k[:, [1, 3, 4, 6]].any()  # the pages no table lists
+    assert k[:, table].reshape(k.shape[0], 4, k.shape[2], 4, -1).any(axis=(0, 2, 4)).all()  # every cell written
 
 
 def test_chunked_prefill_matches_full_forward(tiny_cache):
-    """A prompt split into a padded first chunk and a second chunk that reads the cache."""
+    """A prompt split into a padded first chunk and a second chunk that reads the cached pages."""
     _, _, config, weights = tiny_cache
     tokens = _tokens(20, seed=3)
     full = _full_logits(config, weights, tokens)
-    cache = init_cache(config, 1, 64, jnp.float32)
-    first = np.zeros((1, 16), np.int32)
-    first[0, :9] = tokens[:9]
-    _, cache = forward(weights, cache, first, jnp.int32(0), jnp.array([9], jnp.int32), config=config, window=0)
-    second = np.zeros((1, 16), np.int32)
-    second[0, :11] = tokens[9:]
-    logits, cache = forward(weights, cache, second, jnp.int32(0), jnp.array([11], jnp.int32), config=config,
-                            window=16, all_logits=True)
+    pool = init_pool(config, 8, 4, jnp.float32)
+    table = [6, 0, 3, 5, 1, 2, 4, 7]
+    first = np.zeros(16, np.int32)
+    first[:9] = tokens[:9]
+    _, pool = _run(weights, pool, config, [first], [table], [0], [9], 0)
+    assert not np.asarray(pool.k)[:, table[3]].any()  # the first chunk's padding wrote nothing
+    second = np.zeros(16, np.int32)
+    second[:11] = tokens[9:]
+    logits, pool = _run(weights, pool, config, [second], [table], [9], [11], 3, all_logits=True)
     _close(np.asarray(logits[0, :11]), full[9:])
-    assert int(cache.lengths[0]) == 20
+    k = np.asarray(pool.k)
+    assert k[:, table[4]].any() and not k[:, table[5:]].any()  # 20 tokens: 5 pages, the padding dropped
+
+
+def test_a_shared_prefix_page_is_read_by_another_sequence(models):
+    """The prefix cache's layout: a second sequence whose table starts with the first one's full pages
+    computes only the rest, and gets the logits of its whole prompt in one pass. On gemma3, whose
+    sliding window also reads the shared cells (the layout is the same for every architecture)."""
+    _, _, config, weights = models["gemma3"]
+    a, b = _tokens(10, seed=7), _tokens(14, seed=7)
+    b[8:] = _tokens(6, seed=8)  # the same first 8 tokens (two pages of 4)
+    pool = init_pool(config, 8, 4, jnp.float32)
+    _, pool = _run(weights, pool, config, [a], [[1, 4, 6, 0]], [0], [10], 0)
+    shared = np.asarray(pool.k)[:, [1, 4]].copy()
+    logits, pool = _run(weights, pool, config, [b[8:]], [[1, 4, 2, 5]], [8], [6], 2, all_logits=True)
+    _close(np.asarray(logits[0]), _full_logits(config, weights, b)[8:])
+    np.testing.assert_array_equal(np.asarray(pool.k)[:, [1, 4]], shared)  # read, never written
 
 
 def test_batch_rows_are_independent(tiny_cache):
@@ -196,16 +227,16 @@ def test_batch_rows_are_independent(tiny_cache):
     _, _, config, weights = tiny_cache
     seqs = [_tokens(7, seed=4), _tokens(13, seed=5)]
     alone = [_full_logits(config, weights, s) for s in seqs]
-    cache = init_cache(config, 2, 64, jnp.float32)
-    for slot, s in enumerate(seqs):  # prefill all but the last 3 tokens of each
-        padded = np.zeros((1, 16), np.int32)
-        padded[0, :len(s) - 3] = s[:-3]
-        _, cache = forward(weights, cache, padded, jnp.int32(slot), jnp.array([len(s) - 3], jnp.int32),
-                           config=config, window=0)
+    pool = init_pool(config, 8, 4, jnp.float32)
+    tables = [[3, 0, 0, 0], [1, 7, 2, 5]]
+    for table, s in zip(tables, seqs, strict=True):  # prefill all but the last 3 tokens of each
+        padded = np.zeros(16, np.int32)
+        padded[:len(s) - 3] = s[:-3]
+        _, pool = _run(weights, pool, config, [padded], [table], [0], [len(s) - 3], 0)
+    tables[0][1] = 6  # the short one's next page
     for back in (3, 2, 1):
-        step = jnp.array([[seqs[0][-back]], [seqs[1][-back]]], jnp.int32)
-        logits, cache = forward(weights, cache, step, jnp.int32(0), jnp.array([1, 1], jnp.int32),
-                                config=config, window=16)
+        starts = [len(s) - back for s in seqs]
+        logits, pool = _run(weights, pool, config, [[seqs[0][-back]], [seqs[1][-back]]], tables, starts, [1, 1], 4)
         for row in (0, 1):
             _close(np.asarray(logits[row]), alone[row][-back])
 

@@ -1,13 +1,18 @@
-"""The engine thread and its asyncio bridge, without a server: ordering, cancellation, failures."""
+"""The engine thread and its asyncio bridge, without a server: ordering, batching, cancellation,
+back-pressure, failures. The fake engines are generators under tests/batch_adapter.py's
+GeneratorBatch, which gives them the thread's BatchEngine protocol (add, iterate, cancel, ...)."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 
 import pytest
+from batch_adapter import GeneratorBatch
 
+from bankml.errors import Overloaded
 from gateway.engine_client import EngineClient
 from model.engine_thread import EngineThread, EngineThreadFailed
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
@@ -15,13 +20,20 @@ from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOu
 pytestmark = pytest.mark.timeout(60)
 
 
-class CountingEngine:
-    """Yields `n` tokens, `step_s` apart; records how many steps each request really ran."""
+class CountingEngine(GeneratorBatch):
+    """Yields `n` tokens, `step_s` apart; records how many steps each request really ran, and every
+    iteration's running requests and every cancel, in order (`log`)."""
 
-    def __init__(self, n: int = 5, step_s: float = 0.0, fail_at: int | None = None, die_at: int | None = None):
+    def __init__(self, n: int = 5, step_s: float = 0.0, fail_at: int | None = None, die_at: int | None = None,
+                 max_seqs: int = 1):
+        super().__init__()
         self.n, self.step_s, self.fail_at, self.die_at = n, step_s, fail_at, die_at
+        self.max_seqs = max_seqs
         self.steps: dict[str, int] = {}
         self.threads: set[str] = set()
+        self.log: list[tuple] = []  # ("iterate", request ids with an output) and ("cancel", request id)
+        self.rids: dict[int, str] = {}
+        self.resets = 0
 
     def generate(self, prompt_tokens, params=None, request_id="generate"):
         self.threads.add(threading.current_thread().name)
@@ -35,6 +47,24 @@ class CountingEngine:
             self.steps[request_id] += 1
             yield StepOutput(token=i, text=f"t{i} ", prompt_tokens=len(prompt_tokens), completion_tokens=i + 1,
                              finish_reason=FinishReason.STOP if i == self.n - 1 else None)
+
+    def add(self, request):
+        task = super().add(request)
+        self.rids[task] = request.request_id
+        return task
+
+    def iterate(self):
+        it = super().iterate()
+        self.log.append(("iterate", *(self.rids[t] for t, _ in it.outputs)))
+        return it
+
+    def cancel(self, task):
+        self.log.append(("cancel", self.rids[task]))
+        return super().cancel(task)
+
+    def reset(self):
+        self.resets += 1
+        super().reset()
 
 
 def _thread_with(engine) -> EngineThread:
@@ -73,6 +103,8 @@ def test_requests_queue_one_after_another():
 
     a, b = asyncio.run(both())
     assert [o.text for o in a] == [o.text for o in b] == ["t0 ", "t1 ", "t2 "]
+    # max_seqs = 1: the second starts when the first has ended, never beside it
+    assert all(len(set(entry[1:])) <= 1 for entry in engine.log if entry[0] == "iterate")
     thread.stop()
 
 
@@ -133,10 +165,12 @@ def test_a_dead_thread_answers_the_waiting_and_the_later_requests_at_once():
 
     dies, waits = asyncio.run(run())
     assert dies[-1].finish_reason is FinishReason.ERROR and "the device is gone" in dies[-1].error
-    assert waits[-1].finish_reason is FinishReason.ERROR and waits[-1].error.startswith("the engine thread stopped")
+    # waiting in the engine's queue or in the thread's: answered with the reason either way
+    assert waits[-1].finish_reason is FinishReason.ERROR and "the device is gone" in waits[-1].error
     assert thread.failure and not thread.alive
     later = asyncio.run(_collect(EngineClient(thread), "later"))
     assert later[-1].finish_reason is FinishReason.ERROR
+    assert later[-1].error.startswith("the engine thread stopped") and "the device is gone" in later[-1].error
     with pytest.raises(EngineThreadFailed):
         thread.call(lambda: None).result(5)
 
@@ -145,4 +179,173 @@ def test_no_engine_is_an_error_not_a_hang():
     thread = EngineThread()
     outs = asyncio.run(_collect(EngineClient(thread), "none"))
     assert outs[-1].finish_reason is FinishReason.ERROR and outs[-1].error == "no model is loaded"
+    thread.stop()
+
+
+class _Held:
+    """Holds the engine thread in a `call` until released, so that submissions pile up meanwhile."""
+
+    def __init__(self, thread: EngineThread):
+        self._release = threading.Event()
+        self._running = threading.Event()
+        self.done = thread.call(self._hold)
+        assert self._running.wait(5)
+
+    def _hold(self) -> None:
+        self._running.set()
+        self._release.wait(10)
+
+    def release(self) -> None:
+        self._release.set()
+        self.done.result(5)
+
+
+def _submit(thread: EngineThread, rid: str, into: queue.Queue):
+    return thread.submit(_request(rid), lambda out: into.put((rid, out)))
+
+
+def _drain(into: queue.Queue, n_final: int) -> list[tuple[str, StepOutput]]:
+    """Outputs until `n_final` requests have had their last one."""
+    got = []
+    while n_final:
+        rid, out = into.get(timeout=10)
+        got.append((rid, out))
+        n_final -= out.finish_reason is not None
+    return got
+
+
+def _until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_several_requests_interleave_up_to_max_seqs():
+    engine = CountingEngine(n=3, max_seqs=2)
+    thread = _thread_with(engine)
+    held, into = _Held(thread), queue.Queue()
+    for rid in "abc":
+        _submit(thread, rid, into)
+    held.release()
+    got = _drain(into, 3)
+    by_rid = {rid: [o.text for r, o in got if r == rid] for rid in "abc"}
+    assert by_rid == {rid: ["t0 ", "t1 ", "t2 "] for rid in "abc"}
+    iterations = [entry[1:] for entry in engine.log if entry[0] == "iterate"]
+    assert iterations[:3] == [("a", "b")] * 3  # two sequences at once, each advanced every iteration
+    assert ("c",) in iterations[3:]  # the third waited for a free sequence, then ran
+    thread.stop()
+
+
+def test_cancel_before_start_never_reaches_the_engine():
+    engine = CountingEngine(n=3)
+    thread = _thread_with(engine)
+    held, into = _Held(thread), queue.Queue()
+    ticket = _submit(thread, "early", into)
+    ticket.cancel()
+    held.release()
+    [(rid, out)] = _drain(into, 1)
+    assert out.finish_reason is FinishReason.ABORT and out.token is None
+    assert "early" not in engine.steps and engine.rids == {}
+    thread.stop()
+
+
+def test_cancel_mid_stream_frees_the_sequence_before_the_next_step():
+    engine = CountingEngine(n=10_000, step_s=0.002, max_seqs=1)
+    thread = _thread_with(engine)
+    into: queue.Queue = queue.Queue()
+    ticket = _submit(thread, "long", into)
+    after = _submit(thread, "next", into)  # waits for the only sequence
+    while into.get(timeout=5)[1].completion_tokens < 3:
+        pass
+    ticket.cancel()
+    while (out := into.get(timeout=5))[0] != "next":
+        final = out[1]
+    assert final.finish_reason is FinishReason.ABORT and final.timeline is not None
+    after.cancel()
+    _drain(into, 1)
+    at = engine.log.index(("cancel", "long"))
+    assert all("long" not in entry[1:] for entry in engine.log[at + 1:])  # no step of it after the cancel
+    assert engine.log[at + 1] == ("iterate", "next")  # the freed sequence went to the one waiting
+    assert engine.steps["long"] <= 5
+    thread.stop()
+
+
+def test_calls_run_between_iterations_while_a_generation_is_live():
+    engine = CountingEngine(n=200, step_s=0.002)
+    thread = _thread_with(engine)
+    into: queue.Queue = queue.Queue()
+    _submit(thread, "g", into)
+    into.get(timeout=5)
+    seen = thread.call(lambda: (engine.steps["g"], len(engine.log), threading.current_thread().name)).result(5)
+    steps, n_log, name = seen
+    assert 0 < steps < 200 and name == "bankml-engine"
+    got = _drain(into, 1)
+    assert got[-1][1].finish_reason is FinishReason.STOP and engine.steps["g"] == 200
+    assert len(engine.log) > n_log  # it went on after the call
+    thread.stop()
+
+
+def test_swapping_the_engine_ends_the_old_engines_live_requests_with_an_error():
+    old = CountingEngine(n=10_000, step_s=0.002, max_seqs=2)
+    thread = _thread_with(old)
+    into: queue.Queue = queue.Queue()
+    _submit(thread, "a", into)
+    _submit(thread, "b", into)
+    into.get(timeout=5)
+    new = CountingEngine(n=2)
+    thread.call(lambda: thread.set_engine(new)).result(5)
+    got = _drain(into, 2)
+    finals = {r: o for r, o in got if o.finish_reason is not None}
+    assert set(finals) == {"a", "b"}
+    assert all(o.finish_reason is FinishReason.ERROR and "unloaded" in o.error for o in finals.values())
+    assert asyncio.run(_collect(EngineClient(thread), "c"))[-1].finish_reason is FinishReason.STOP
+    assert "c" in new.steps and "c" not in old.steps
+    thread.stop()
+
+
+def test_a_failed_iteration_ends_every_running_request_and_the_engine_serves_the_next():
+    class Failing(CountingEngine):
+        def iterate(self):
+            if len(self.log) == 3:
+                self.log.append(("failed",))
+                raise RuntimeError("kaput")
+            return super().iterate()
+
+    engine = Failing(n=50, max_seqs=2)
+    thread = _thread_with(engine)
+    held, into = _Held(thread), queue.Queue()
+    _submit(thread, "a", into)
+    _submit(thread, "b", into)
+    held.release()
+    got = _drain(into, 2)
+    finals = {r: o for r, o in got if o.finish_reason is not None}
+    assert all(o.finish_reason is FinishReason.ERROR and o.error == "RuntimeError: kaput" for o in finals.values())
+    assert set(finals) == {"a", "b"} and engine.resets == 1 and thread.alive
+    assert asyncio.run(_collect(EngineClient(thread), "c"))[-1].finish_reason is FinishReason.STOP
+    thread.stop()
+
+
+def test_overloaded_past_max_waiting_and_in_flight_counts():
+    engine = CountingEngine(n=10_000, step_s=0.002, max_seqs=1)
+    thread = EngineThread(max_waiting=2)
+    thread.call(lambda: thread.set_engine(engine)).result(5)
+    assert thread.in_flight() == (0, 0)
+    held, into = _Held(thread), queue.Queue()
+    tickets = [_submit(thread, rid, into) for rid in "ab"]
+    assert thread.in_flight() == (0, 2)
+    with pytest.raises(Overloaded, match="max_waiting = 2"):
+        _submit(thread, "c", into)
+    held.release()
+    _until(lambda: thread.in_flight() == (1, 1))  # one running, one waiting for the only sequence
+    held = _Held(thread)
+    tickets.append(_submit(thread, "still", into))  # one waits in the engine, one in the thread's queue
+    assert thread.in_flight() == (1, 2)
+    with pytest.raises(Overloaded):
+        _submit(thread, "too many", into)
+    held.release()
+    for t in tickets:
+        t.cancel()
+    _until(lambda: thread.in_flight() == (0, 0) and thread.stats() is not None and thread.stats().running == 0)
+    _submit(thread, "d", into)  # room again
     thread.stop()

@@ -11,7 +11,7 @@ from tiny_gguf import write_tiny_gguf
 
 from kernels.dequant import dequantize
 from model.forward import forward
-from model.kvcache import init_cache
+from model.kvcache import init_pool
 from model.packed import PACKABLE_TYPES, Packed, expand, linear, pack, take_rows, unpack_affine
 from model.weights import load_weights
 
@@ -85,7 +85,8 @@ def test_packed_model_gives_the_f32_model_logits(tmp_path, qtype):
     tokens = jnp.asarray(np.arange(10, dtype=np.int32)[None] * 7)
     outs = []
     for weights in (dense, packed):
-        logits, _ = forward(weights, init_cache(config, 1, 16), tokens, jnp.int32(0), jnp.array([10], jnp.int32),
-                            config=config, window=0, all_logits=True)
+        logits, _ = forward(weights, init_pool(config, 1, 16), tokens, jnp.zeros((1, 1), jnp.int32),
+                            jnp.zeros(1, jnp.int32), jnp.array([10], jnp.int32), config=config, window_pages=0,
+                            all_logits=True)
         outs.append(np.asarray(logits))
     np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=1e-5 * np.abs(outs[0]).max())
