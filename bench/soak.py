@@ -4,8 +4,8 @@ abandoned mid-stream, several at once. Prints JSON.
     python bench/soak.py [--requests 1000] [--clients 4] [--config FILE] [--model FILE --fork F]
 
 It starts `bankml serve --native` (the default model unless --model) on free ports and sends
-`--requests` streamed chat requests from `--clients` concurrent clients: prompts of 1 to ~400 tokens
-(a shared system prompt for half of them, so the prefix cache fills and evicts), max_tokens 1 to 96,
+`--requests` streamed chat requests from `--clients` concurrent clients: prompts of about 10 to 350 tokens
+(a shared system prompt for half of them, so the prefix cache fills and evicts), max_tokens 1 to 48,
 and every fifth request dropped by its client after a few chunks (the engine must free its
 sequence). The server process's RSS (psutil) is sampled after each request; the JSON reports it after
 the first 50 and at the end, their ratio (the issue's bound: within 5%), the peak, and the engine's
@@ -37,12 +37,12 @@ SYSTEM = "You are a careful assistant. " + " ".join(WORDS * 6)
 
 
 def request_body(rng: random.Random) -> dict:
-    user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 250)))
+    user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
     messages = [{"role": "user", "content": f"Write about: {user}"}]
     if rng.random() < 0.5:
         messages.insert(0, {"role": "system", "content": SYSTEM})
     return {"model": "m", "messages": messages, "stream": True, "temperature": rng.choice([0.0, 0.8]),
-            "seed": rng.randint(0, 2**31), "max_tokens": rng.randint(1, 96)}
+            "seed": rng.randint(0, 2**31), "max_tokens": rng.randint(1, 48)}
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, abandon_after: int | None) -> str:

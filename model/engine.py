@@ -113,8 +113,9 @@ class Engine:
         self._decode_windows = self.decode_window_buckets()
         self._batches = batch_buckets(max_seqs)
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
-        self.scheduler = Scheduler(self, PagePool(n_pages, page_size), max_seqs=max_seqs, n_ctx=n_ctx,
-                                   prefill_budget=prefill_chunk)
+        # the scheduler holds its runner weakly: an engine nobody else holds is freed at once
+        self.scheduler = Scheduler(weakref.proxy(self), PagePool(n_pages, page_size), max_seqs=max_seqs,
+                                   n_ctx=n_ctx, prefill_budget=prefill_chunk)
         self.pool: KVPool = init_pool(config, n_pages, page_size)
         # each slot's tokens, for the penalties; the last row takes the padding rows' writes
         self._history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
@@ -368,8 +369,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def reset(self) -> None:
-        self.scheduler.reset()
+    def reset(self) -> list[int]:
+        """After a failed iteration: the running tasks are dropped (returned), the waiting ones kept;
+        a pool or history the failed program consumed (donated) is made again."""
+        dropped = self.scheduler.reset()
+        if self.pool.k.is_deleted() or self.pool.v.is_deleted():
+            self.pool = init_pool(self.config, self.pool.n_pages, self.page_size)
+        if self._history.is_deleted():
+            self._history = jnp.zeros((self.max_seqs + 1, self.n_ctx), jnp.int32)
+        return dropped
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

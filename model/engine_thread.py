@@ -56,8 +56,9 @@ class BatchEngine(Protocol):
 
     def iterate(self) -> Iteration: ...
 
-    def reset(self) -> None:
-        """Drop every task (after an iteration failed): the pages and slots are free again."""
+    def reset(self) -> list[int]:
+        """After an iteration failed: drop the running tasks (returned; their pages and slots are free
+        again) and keep the waiting ones."""
 
     def stats(self) -> EngineStats: ...
 
@@ -246,23 +247,29 @@ class EngineThread:
 
     def _take(self, job: _Generate) -> None:
         """Hand a submitted job to the engine, or answer it at once."""
-        with self._lock:
-            self._pending -= 1
-        if job.cancelled.is_set():
-            job.emit(StepOutput(token=None, finish_reason=FinishReason.ABORT))
-            return
         engine = self.engine
-        if engine is None:
-            job.emit(_error(job.request, "no model is loaded"))
+        if job.cancelled.is_set() or engine is None:
+            self._count_taken(None)
+            job.emit(StepOutput(token=None, finish_reason=FinishReason.ABORT) if job.cancelled.is_set()
+                     else _error(job.request, "no model is loaded"))
             return
         try:
             job.task = engine.add(job.request)
         except Exception as e:
+            self._count_taken(None)
             job.emit(_error(job.request, _why(e)))
             return
         job.engine = engine
         self._live[job.task] = job
-        self._publish(engine)
+        self._count_taken(engine)
+
+    def _count_taken(self, engine: BatchEngine | None) -> None:
+        """A job left the queue: with the engine's new snapshot (which counts it, if it took it) in the
+        same step, so `submit` never sees it in neither count."""
+        stats = engine.stats() if engine is not None else self._stats
+        with self._lock:
+            self._pending -= 1
+            self._stats = stats
 
     def _iterate(self, engine: BatchEngine) -> None:
         """Cancel what was cancelled, run one iteration, hand out what it produced."""
@@ -280,9 +287,10 @@ class EngineThread:
         except Exception as e:
             log.exception("an engine iteration failed: its requests end with the error")
             why = _why(e)
-            engine.reset()
-            for job in list(self._live.values()):
-                self._finish(job, _error(job.request, why))
+            for task in engine.reset():
+                job = self._live.get(task)
+                if job is not None:
+                    self._finish(job, _error(job.request, why))
             self._publish(engine)
             return
         for task, at in it.admitted:

@@ -116,12 +116,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def reset(self) -> None:
-        """Drop every sequence and every cached page (the device's pool may hold anything now)."""
+    def reset(self) -> list[int]:
+        """After a failed iteration: drop the running sequences (returns their tasks) and every cached
+        page (the device's pool may hold anything now). The waiting ones stay queued, preempted ones
+        computed again from their tokens."""
+        dropped = [seq.task for seq in self.running]
         for seq in list(self.running):
             self._leave(seq)
-        self.waiting.clear()
+        for seq in self.waiting:
+            seq.n_computed = 0
         self.pool.clear()
+        return dropped
 
     # --- one iteration -----------------------------------------------------------------------------
 

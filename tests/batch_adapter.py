@@ -66,11 +66,12 @@ class GeneratorBatch:
                               completion_tokens=count[0])
         return None
 
-    def reset(self) -> None:
+    def reset(self) -> list[int]:
+        dropped = list(self._running)
         for _, steps, _ in self._running.values():
             steps.close()
         self._running.clear()
-        self._waiting.clear()
+        return dropped
 
     def free_slots(self) -> int:
         return self.max_seqs - len(self._running)

@@ -64,7 +64,7 @@ class CountingEngine(GeneratorBatch):
 
     def reset(self):
         self.resets += 1
-        super().reset()
+        return super().reset()
 
 
 def _thread_with(engine) -> EngineThread:
@@ -317,11 +317,14 @@ def test_a_failed_iteration_ends_every_running_request_and_the_engine_serves_the
     held, into = _Held(thread), queue.Queue()
     _submit(thread, "a", into)
     _submit(thread, "b", into)
+    _submit(thread, "w", into)  # waits for a sequence: the failure is not its
     held.release()
-    got = _drain(into, 2)
+    got = _drain(into, 3)
     finals = {r: o for r, o in got if o.finish_reason is not None}
-    assert all(o.finish_reason is FinishReason.ERROR and o.error == "RuntimeError: kaput" for o in finals.values())
-    assert set(finals) == {"a", "b"} and engine.resets == 1 and thread.alive
+    assert all(finals[r].finish_reason is FinishReason.ERROR and finals[r].error == "RuntimeError: kaput"
+               for r in "ab")
+    assert finals["w"].finish_reason is FinishReason.STOP
+    assert engine.resets == 1 and thread.alive
     assert asyncio.run(_collect(EngineClient(thread), "c"))[-1].finish_reason is FinishReason.STOP
     thread.stop()
 
