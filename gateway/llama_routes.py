@@ -109,7 +109,7 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
     """One slot as llama-server's `server_slot::to_json` writes it (tools/server/server-context.cpp).
 
     Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
-    anyone who can reach /slots would read. An idle
+    anyone who can reach /slots would read, and for the same reason its `stop` strings. An idle
     slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1."""
     out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
                            "is_processing": seq.is_processing, "id_task": seq.id_task}
@@ -156,7 +156,6 @@ def _params_json(p: SamplingParams) -> dict[str, Any]:
         "dry_penalty_last_n": p.dry_penalty_last_n,
         "dry_sequence_breakers": list(p.dry_sequence_breakers),
         "mirostat": p.mirostat,
-        "stop": list(p.stop),
         "max_tokens": p.max_tokens,
         "n_predict": p.max_tokens,
         "n_probs": p.n_probs,

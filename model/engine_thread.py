@@ -149,7 +149,7 @@ class EngineThread:
         with self._lock:
             failure = self.failure
             if failure is None:
-                waiting = self._waiting_locked()
+                waiting = self._beyond_slots_locked()
                 if waiting >= self.max_waiting:
                     raise Overloaded(f"the server is busy: {waiting} requests are waiting for a sequence "
                                      f"([engine] max_waiting = {self.max_waiting}); try again shortly")
@@ -162,6 +162,14 @@ class EngineThread:
     def _waiting_locked(self) -> int:
         stats = self._stats
         return self._pending + (stats.waiting if stats is not None else 0)
+
+    def _beyond_slots_locked(self) -> int:
+        """The requests that will wait for a sequence: those queued here or in the engine, less the
+        free sequences the next admission gives them (a burst is not refused for the running
+        iteration's sake)."""
+        stats = self._stats
+        free = stats.max_seqs - stats.running if stats is not None else 0
+        return max(0, self._waiting_locked() - free)
 
     def in_flight(self) -> tuple[int, int]:
         """(running, waiting) generations. A request's final output is emitted after it left them."""

@@ -335,18 +335,15 @@ def test_overloaded_past_max_waiting_and_in_flight_counts():
     thread.call(lambda: thread.set_engine(engine)).result(5)
     assert thread.in_flight() == (0, 0)
     held, into = _Held(thread), queue.Queue()
-    tickets = [_submit(thread, rid, into) for rid in "ab"]
-    assert thread.in_flight() == (0, 2)
-    with pytest.raises(Overloaded, match="max_waiting = 2"):
-        _submit(thread, "c", into)
+    # max_seqs + max_waiting in flight: the free sequence takes one of the queued at the next admission
+    tickets = [_submit(thread, rid, into) for rid in "abc"]
+    assert thread.in_flight() == (0, 3)
+    with pytest.raises(Overloaded, match="2 requests are waiting.*max_waiting = 2"):
+        _submit(thread, "d", into)
     held.release()
-    _until(lambda: thread.in_flight() == (1, 1))  # one running, one waiting for the only sequence
-    held = _Held(thread)
-    tickets.append(_submit(thread, "still", into))  # one waits in the engine, one in the thread's queue
-    assert thread.in_flight() == (1, 2)
+    _until(lambda: thread.in_flight() == (1, 2))  # one running, two waiting for the only sequence
     with pytest.raises(Overloaded):
         _submit(thread, "too many", into)
-    held.release()
     for t in tickets:
         t.cancel()
     _until(lambda: thread.in_flight() == (0, 0) and thread.stats() is not None and thread.stats().running == 0)
