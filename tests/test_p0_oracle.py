@@ -69,7 +69,7 @@ def test_oracle_real_llama_server_streams_with_the_receipt_before_done(real):
                       headers={"Content-Type": "application/json"}, timeout=120) as s:
         sse = s.read().decode()
     events = [e for e in sse.split("\n\n") if e.strip()]
-    assert events[-1] == "data: [DONE]" and events[-2].startswith('data: {"bankml_receipt": {')
+    assert events[-1] == "data: [DONE]" and events[-2].startswith('data: {"choices": [], "bankml_receipt": {')
     receipt = receipt_event(sse)
     assert receipt["response_sha256"] == sha(stream_text(sse)) and stream_text(sse)
     assert receipt["completion_tokens"] > 0 and isinstance(receipt["ttft_ms"], int)
