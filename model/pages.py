@@ -127,6 +127,13 @@ class PagePool:
         self.hits_tokens += len(pages) * self.page_size
         return pages
 
+    def cached_chain(self, digests: Sequence[bytes]) -> int:
+        """How many of `digests`, from the first, are cached now (nothing taken, nothing counted)."""
+        n = 0
+        while n < len(digests) and digests[n] in self._by_key:
+            n += 1
+        return n
+
     def unmatch(self, pages: Sequence[int], n_tokens: int) -> None:
         """Undo a `match` whose sequence could not be admitted after all (it will look again)."""
         self.release(pages)

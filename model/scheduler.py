@@ -6,7 +6,9 @@ Driven by the engine thread, one `iterate()` at a time; each iteration, top to b
    its prompt needs can be had. A prompt first takes the longest chain of cached pages it shares with
    any earlier sequence (model/pages.py, vLLM's automatic prefix caching) and computes only the rest;
    at least its last token is always computed, for the logits of the next one. The head of the queue
-   that does not fit waits, and so does everyone behind it.
+   that does not fit waits, and so does everyone behind it. So does a head whose next page another
+   sequence is computing right now (eight clients sending one system prompt at once): it is admitted
+   once that page is cached, rather than computing the same prefix beside it.
 2. **Prefill**, at most `prefill_budget` prompt tokens in all, in chunks, oldest sequence first: a long
    prompt costs the running streams one chunk per iteration, never its whole length. A sequence whose
    prompt is done samples its first token.
@@ -137,7 +139,7 @@ class Scheduler:
         # 1. admit, first come first served
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if self._prefix_in_flight(seq) or not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -190,8 +192,7 @@ class Scheduler:
         """Give `seq` a slot and pages (cached ones first) for everything it must compute and its next
         token; False, with nothing taken, when the pool cannot."""
         target, page = seq.target, self.page_size
-        # at least one token is computed when the next token must be sampled from its logits
-        n_shareable = (target if seq.next_token is not None else target - 1) // page
+        n_shareable = self._shareable_pages(seq)
         cached: list[int] = []
         if seq.request.params.cache_prompt and n_shareable:
             cached = self.pool.match(self._digests(seq, n_shareable), len(seq.tokens))
@@ -206,6 +207,25 @@ class Scheduler:
         seq.slot = self._free_slots.pop()
         self.runner.start_sequence(seq)
         return True
+
+    def _shareable_pages(self, seq: Sequence) -> int:
+        """The full pages of `seq` it may take from the cache: at least one token is computed when the
+        next token must be sampled from its logits."""
+        return (seq.target if seq.next_token is not None else seq.target - 1) // self.page_size
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether the first page of `seq` that is not cached is being computed by a running sequence
+        (and so will be cached within a few iterations: every prefilling sequence advances)."""
+        n_shareable = self._shareable_pages(seq)
+        if not seq.request.params.cache_prompt or not n_shareable:
+            return False
+        digests = self._digests(seq, n_shareable)
+        n_cached = self.pool.cached_chain(digests)
+        if n_cached == n_shareable:
+            return False
+        i = n_cached  # keys name the position too: another sequence holds this page at the same index
+        return any(other.prefilling and other.n_published <= i < other.target // self.page_size
+                   and self._digests(other, i + 1)[i] == digests[i] for other in self.running)
 
     def _digests(self, seq: Sequence, n_pages: int) -> list[bytes]:
         """The keys of `seq`'s first `n_pages` full pages, extending the ones already computed."""

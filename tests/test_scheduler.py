@@ -470,3 +470,37 @@ def test_a_pool_of_one_context_serves_long_generations_through_preemption(engine
     assert together == alone
     s = engine.stats()
     assert s.pages_used == 0 and s.running == 0 and s.waiting == 0
+
+
+def test_a_prompt_waits_for_the_shared_prefix_another_sequence_is_computing():
+    # two clients send one long system prompt at once: the second is admitted once the first has
+    # computed the shared pages, and takes them from the cache instead of computing them beside it
+    sched, runner = make(page_size=4, budget=8)
+    system = prompt(24, seed=3)
+    first = add(sched, system + prompt(5, seed=4))
+    second = add(sched, system + prompt(6, seed=5))
+    other = prompt(9, seed=6)
+    outs, its = drain(sched)
+    assert tokens(outs[first]) == reference(system + prompt(5, seed=4), 8)
+    assert tokens(outs[second]) == reference(system + prompt(6, seed=5), 8)
+    assert outs[second][-1].cached_tokens == 24
+    admitted = [t for it in its for t, _ in it.admitted]
+    assert admitted == [first, second]
+    second_prefills = [(start, n) for task, start, n in runner.prefills if task == second]
+    assert second_prefills[0][0] == 24  # it computed nothing of the system prompt
+    assert sched.running == [] and sched.pool.used == 0
+    # an unrelated prompt is not held back by a prefix it does not share
+    sched, runner = make(page_size=4, budget=8)
+    a = add(sched, system)
+    b = add(sched, other)
+    it = sched.iterate()
+    assert [t for t, _ in it.admitted] == [a, b]
+
+
+def test_a_prompt_does_not_wait_without_cache_prompt():
+    sched, runner = make(page_size=4, budget=8)
+    system = prompt(24, seed=3)
+    a = add(sched, system + [1])
+    b = add(sched, system + [2], cache_prompt=False)
+    it = sched.iterate()
+    assert [t for t, _ in it.admitted] == [a, b]
