@@ -155,13 +155,17 @@ def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array,
     ropes = rope_tables(config, positions, weights.rope_freqs)
     is_swa = jnp.asarray(config.swa_layers, dtype=bool)
     window = table[:, :window_pages]  # [B, Wp]
+    # cells at or past a row's start hold whatever the page held before (another sequence, a padding
+    # row's page): their scores are masked, and their values are zeroed, so a stale inf or NaN never
+    # reaches the product as 0 * inf (llama.cpp's kernels skip masked cells)
+    stale = (jnp.arange(window_pages * page) >= starts[:, None]).reshape(b, window_pages, 1, page, 1)
 
     def body(x, xs):
         layer_swa, il = xs
         k_old = v_old = None
         if window_pages:  # one gather per layer: the row's pages, in order
             k_old = pool.k[il, window].astype(jnp.float32)  # [B, Wp, Hkv, P, Dh]
-            v_old = pool.v[il, window].astype(jnp.float32)
+            v_old = jnp.where(stale, 0.0, pool.v[il, window].astype(jnp.float32))
         x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config,
                          pool.k.dtype)
         return x, (k, v)

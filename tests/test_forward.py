@@ -188,6 +188,23 @@ def test_cache_decode_matches_full_forward(tiny_cache):
     assert k[:, table].reshape(k.shape[0], 4, k.shape[2], 4, -1).any(axis=(0, 2, 4)).all()  # every cell written
 
 
+def test_stale_cells_past_a_rows_start_never_reach_its_answer(tiny_cache):
+    """Pages that held another sequence's overflowed f16 values (inf, NaN) before this one: the masked
+    cells past its start change nothing (0 * inf would make the whole row NaN)."""
+    _, _, config, weights = tiny_cache
+    tokens = _tokens(7, seed=4)
+    full = _full_logits(config, weights, tokens)
+    clean = init_pool(config, 4, 4, jnp.float32)
+    poisoned = init_pool(config, 4, 4, jnp.float32)
+    poisoned = type(poisoned)(poisoned.k.at[:, :, :, 1::2].set(jnp.nan).at[:, :, :, ::2].set(jnp.inf),
+                              poisoned.v.at[:, :, :, 1::2].set(jnp.nan).at[:, :, :, ::2].set(jnp.inf))
+    for pool in (clean, poisoned):
+        logits, pool = _run(weights, pool, config, [tokens[:5]], [[2, 0, 3, 1]], [0], [5], 0)
+        for i in range(5, 7):  # decode reads pages 2 and 0: cells 6.. of page 0 are still stale
+            logits, pool = _run(weights, pool, config, [[tokens[i]]], [[2, 0, 3, 1]], [i], [1], 2)
+        _close(np.asarray(logits[0]), full[6])
+
+
 def test_chunked_prefill_matches_full_forward(tiny_cache):
     """A prompt split into a padded first chunk and a second chunk that reads the cached pages."""
     _, _, config, weights = tiny_cache
