@@ -82,15 +82,5 @@ class EngineClient:
         return self.thread.failure
 
     def stats(self) -> EngineStats | None:
-        """The scheduler's last snapshot, or None: no engine has run, or the thread is gone (its last
-        snapshot is stale: every request it held was answered with the failure)."""
-        return engine_stats(self.thread)
-
-
-def engine_stats(thread: EngineThread) -> EngineStats | None:
-    return None if thread.failure is not None else thread.stats()
-
-
-def in_flight(thread: EngineThread) -> tuple[int, int]:
-    """(running, waiting) requests; (0, 0) once the thread is gone, as `engine_stats`."""
-    return (0, 0) if thread.failure is not None else thread.in_flight()
+        """The scheduler's last snapshot, or None: no engine has run, or the thread is gone."""
+        return self.thread.stats()

@@ -28,7 +28,6 @@ from typing import Any
 
 from bankml import __version__
 from bankml.errors import Overloaded
-from gateway import engine_client
 from gateway.answer_metrics import MetricsRing, answer_record
 from gateway.prometheus import PromMetrics
 from gpu_monitor.readings import rounded
@@ -95,11 +94,11 @@ class Monitoring:
 
     def flights(self) -> tuple[int, int] | None:
         """(running, waiting) requests on the engine; None when no engine runs in this process (P0)."""
-        return engine_client.in_flight(self.engine_thread) if self.engine_thread is not None else None
+        return self.engine_thread.in_flight() if self.engine_thread is not None else None
 
     def engine_stats(self) -> EngineStats | None:
         """The scheduler's last snapshot (None: none yet, the engine thread is gone, or P0)."""
-        return engine_client.engine_stats(self.engine_thread) if self.engine_thread is not None else None
+        return self.engine_thread.stats() if self.engine_thread is not None else None
 
     def _model_info(self) -> dict[str, str]:
         try:

@@ -88,7 +88,6 @@ class _Generate:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # set on the thread once the engine has it
     task: int = -1
-    engine: Any = None
     started_s: float | None = None
     first_token_s: float | None = None
     first_text_s: float | None = None
@@ -172,13 +171,17 @@ class EngineThread:
         return max(0, self._waiting_locked() - free)
 
     def in_flight(self) -> tuple[int, int]:
-        """(running, waiting) generations. A request's final output is emitted after it left them."""
+        """(running, waiting) generations; (0, 0) once the thread is gone (everything it held was answered
+        with the failure). A request's final output is emitted after it left them."""
         with self._lock:
+            if self.failure is not None:
+                return 0, 0
             stats = self._stats
             return (stats.running if stats is not None else 0), self._waiting_locked()
 
     def stats(self) -> EngineStats | None:
-        """The scheduler's snapshot after its last iteration (None: no engine has run yet)."""
+        """The scheduler's snapshot after its last iteration (None: no engine has run yet, or the thread
+        is gone)."""
         return self._stats
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -219,7 +222,7 @@ class EngineThread:
         try:
             while True:
                 job = None
-                busy = self.engine is not None and (self._live or self.engine.has_work())
+                busy = self._busy()
                 while True:  # everything queued now; when idle, wait for the next job
                     try:
                         job = self._jobs.get_nowait() if busy else self._jobs.get()
@@ -234,7 +237,7 @@ class EngineThread:
                     else:
                         self._take(job)
                     job = None
-                    busy = self.engine is not None and (self._live or self.engine.has_work())
+                    busy = self._busy()
                     if not busy:
                         break
                 if busy:
@@ -253,6 +256,10 @@ class EngineThread:
             self.engine = None
             self._fail_waiting(why)
 
+    def _busy(self) -> bool:
+        """Whether an iteration has something to do (else the thread sleeps until the next job)."""
+        return self.engine is not None and bool(self._live or self.engine.has_work())
+
     def _take(self, job: _Generate) -> None:
         """Hand a submitted job to the engine, or answer it at once."""
         engine = self.engine
@@ -267,7 +274,6 @@ class EngineThread:
             self._count_taken(None)
             job.emit(_error(job.request, _why(e)))
             return
-        job.engine = engine
         self._live[job.task] = job
         self._count_taken(engine)
 
