@@ -458,17 +458,17 @@ class Engine:
     def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray | jax.Array:
         """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere (without
         DRY, one device array of zeros per batch size, so a step sends nothing)."""
-        dry = [(row, s) for row, s in enumerate(seqs) if dry_enabled(s.request.params.dry_multiplier,
-                                                                      s.request.params.dry_base,
-                                                                      s.request.params.dry_penalty_last_n)]
+        def wants(p: SamplingParams) -> bool:
+            return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
+
+        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if wants(s.request.params)]
         if not dry:
             zeros = self._no_bias.get(rows)
             if zeros is None:
                 zeros = self._no_bias[rows] = jnp.zeros((rows, self.config.n_vocab), jnp.float32)
             return zeros
         bias = np.zeros((rows, self.config.n_vocab), np.float32)
-        for row, s in dry:
-            p = s.request.params
+        for row, s, p in dry:
             last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
             bias[row] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
                                  self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
