@@ -287,12 +287,17 @@ class EngineThread:
 
     def _iterate(self, engine: BatchEngine) -> None:
         """Cancel what was cancelled, run one iteration, hand out what it produced."""
+        aborted = []
         for task, job in list(self._live.items()):
             if job.cancelled.is_set():
                 out = engine.cancel(task) or StepOutput(token=None, finish_reason=FinishReason.ABORT)
                 log.info("%s aborted after %d tokens: its client went away", job.request.request_id,
                          out.completion_tokens)
-                self._finish(job, replace(out, token=None, text="", finish_reason=FinishReason.ABORT))
+                aborted.append((job, replace(out, token=None, text="", finish_reason=FinishReason.ABORT)))
+        if aborted:
+            self._publish(engine)
+            for job, out in aborted:
+                self._finish(job, out)
         if not engine.has_work():
             self._publish(engine)
             return
@@ -312,6 +317,7 @@ class EngineThread:
             if job is not None and job.started_s is None:
                 job.started_s = at
                 job.meter = _Metering(self.meter)
+        self._publish(engine)  # before the outputs: a client that saw its end never reads a snapshot counting it
         for task, out in it.outputs:
             job = self._live.get(task)
             if job is None:
@@ -325,7 +331,6 @@ class EngineThread:
                 job.emit(out)
             else:
                 self._finish(job, out)
-        self._publish(engine)
 
     def _finish(self, job: _Generate, out: StepOutput) -> None:
         """The job's last output, stamped with its timeline and, when it completed, its energy."""
