@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run under its interpreter here (kernels/triton/call.py); it must be chosen before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 IN_CI = os.environ.get("CI") == "true"
 
 
