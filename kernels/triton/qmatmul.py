@@ -16,7 +16,8 @@ research/kernels.md §1 lays the formulas out. A byte that two elements share (t
 byte, a block's scale) is loaded by both; on a GPU the second load is a cache hit. The values are the
 twin's bit for bit (every product of an f16 field with the small integers is exact in f32), so kernel
 and twin differ only by the order of the dot's additions -- and by the dot's input precision on a GPU:
-"tf32x3" keeps f32 accuracy on the tensor cores where plain "tf32" would round the inputs to 10 bits.
+"tf32x3" keeps f32 accuracy on NVIDIA's tensor cores where plain "tf32" would round the inputs to 10
+bits (DOT_PRECISION).
 
 Plane pointers: each type's planes in PLANES order, padded with a dummy byte array up to six.
 """
@@ -38,7 +39,9 @@ from kernels.triton.spec import AotVariant, CheckResult
 MAX_PLANES = 6  # Q5_K: qs, qh, sc, mn, d, dmin
 SM_COUNT = 132  # H100/H200 SXM; the split-K rule aims at two programs per SM
 GEMV_MAX_M = 16
-DOT_PRECISION = "tf32x3"
+# tl.dot's input precision per Triton backend: "tf32x3" keeps f32 accuracy on NVIDIA's tensor cores;
+# AMD's backend has no tf32x3 (it takes ieee, tf32, bf16x3, bf16x6), so "ieee" there.
+DOT_PRECISION: dict[str, str] = {"cuda": "tf32x3", "hip": "ieee"}
 
 KERNEL_TYPES: dict[str, tuple[str, ...]] = {
     "qmatmul_gemv": tuple(QUANT_TYPES.values()),
@@ -298,6 +301,13 @@ def plan_for(M: int, N: int, K: int) -> Plan:
 _DUMMY = np.zeros(16, np.uint8)  # the pointer of a plane the type does not have: never read
 
 
+def triton_backend() -> str:
+    """The Triton backend the default device compiles for: "hip" on ROCm, else "cuda" (also what the
+    interpreter is told; it ignores the precision)."""
+    client = jax.devices()[0].client
+    return "hip" if "rocm" in str(getattr(client, "platform_version", "")).lower() else "cuda"
+
+
 def qmatmul(x: jax.Array, w: QWeight, plan: Plan | None = None) -> jax.Array:
     """x [M, K] f32 @ w.T -> [M, N] f32, through kernels/triton/call.triton_call (works under jax.jit)."""
     (M, K), (N, K_w) = x.shape, w.shape
@@ -307,7 +317,7 @@ def qmatmul(x: jax.Array, w: QWeight, plan: Plan | None = None) -> jax.Array:
     planes = (*w.planes, *[jnp.asarray(_DUMMY)] * (MAX_PLANES - len(w.planes)))
     x = x.astype(jnp.float32)
     common = dict(M=M, N=N, K=K, QTYPE=w.ggml_type, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-                  BLOCK_K=plan.block_k, DOT_PRECISION=DOT_PRECISION, num_warps=plan.num_warps)
+                  BLOCK_K=plan.block_k, DOT_PRECISION=DOT_PRECISION[triton_backend()], num_warps=plan.num_warps)
     if plan.kernel == "qmatmul_gemv":
         if M > plan.block_m:
             raise ValueError(f"the GEMV plan holds {plan.block_m} rows, x has {M}")
@@ -336,15 +346,16 @@ def plane_dtypes(ggml_type: int) -> tuple[np.dtype, ...]:
     return tuple(p.dtype for p in repack(random_raw(ggml_type, 1, block, 0), ggml_type, 1, block))
 
 
-def variant(ggml_type: int, M: int, N: int, K: int) -> AotVariant:
-    """The AOT specialization qmatmul launches for x [M, K] and a [N, K] weight of this type."""
+def variant(ggml_type: int, M: int, N: int, K: int, backend: str = "cuda") -> AotVariant:
+    """The AOT specialization qmatmul launches for x [M, K] and a [N, K] weight of this type, for a
+    Triton backend ("cuda" or "hip")."""
     plan = plan_for(M, N, K)
     kernel = _KERNELS[plan.kernel]
     dtypes = plane_dtypes(ggml_type)
     pointers = ["*fp32", *(_POINTER[d] for d in dtypes), *["*u8"] * (MAX_PLANES - len(dtypes)), "*fp32"]
     args = kernel.arg_names
     constexprs = dict(M=M, N=N, K=K, QTYPE=ggml_type, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-                      BLOCK_K=plan.block_k, DOT_PRECISION=DOT_PRECISION)
+                      BLOCK_K=plan.block_k, DOT_PRECISION=DOT_PRECISION[backend])
     if plan.kernel == "qmatmul_gemv":
         constexprs.update(K_SPLIT=plan.k_split(K), USE_DOT=plan.block_m > 4)
     signature = {a: (pointers[i] if i < len(pointers) else "constexpr") for i, a in enumerate(args)}
@@ -353,10 +364,11 @@ def variant(ggml_type: int, M: int, N: int, K: int) -> AotVariant:
                       attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))})
 
 
-def aot_variants() -> list[AotVariant]:
+def aot_variants(backend: str = "cuda") -> list[AotVariant]:
     """Every kernel x type at a 4096 x 4096 weight: decode (M = 1 sum form, 8 and 16 through tl.dot) and a
-    128-token prefill tile, 40 in all."""
-    return [variant(t, M, 4096, 4096) for t in QUANT_TYPES for M in (1, 8, 16, 128)]
+    128-token prefill tile, 40 in all. All 40 compile for sm_90 and sm_80 (63 s on this 2-core box);
+    with backend="hip" they compile for gfx942."""
+    return [variant(t, M, 4096, 4096, backend) for t in QUANT_TYPES for M in (1, 8, 16, 128)]
 
 
 def interpret_checks(types: tuple[int, ...] = tuple(QUANT_TYPES)) -> list[CheckResult]:
