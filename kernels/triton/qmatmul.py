@@ -12,7 +12,9 @@ Two kernels, each generic over the ten block types through one `QTYPE: tl.conste
 
 `_dequant_tile` gives the f32 values of columns k, rows n of the weight (w.T's [BLOCK_K, BLOCK_N] tile)
 for any broadcastable n and k: every element finds its own byte in each plane with integer ops, as
-research/kernels.md §1 lays the formulas out. A byte that two elements share (the two nibbles of a qs
+research/kernels.md §1 lays the formulas out. The byte indices are written as `(k // a) * b + k % c`,
+a form Triton's pointer analysis sees as runs of c contiguous bytes: a thread's 16 consecutive k then
+load their qs bytes in one 16-byte access (ld.global.v4.b32 in the PTX) instead of 16 byte loads. A byte that two elements share (the two nibbles of a qs
 byte, a block's scale) is loaded by both; on a GPU the second load is a cache hit. The values are the
 twin's bit for bit (every product of an f16 field with the small integers is exact in f32), so kernel
 and twin differ only by the order of the dot's additions -- and by the dot's input precision on a GPU:
@@ -70,8 +72,7 @@ def _f32(plane, n, per_row, col, mask):
 def _nib32(qs, n, k, K: tl.constexpr, mask):
     """The 4-bit code of element k in a 32-block type: low nibble of the block's byte k % 16 for the
     first 16 elements, high nibble for the last 16."""
-    i = k % 32
-    return (_u8(qs, n, K // 2, (k // 32) * 16 + i % 16, mask) >> ((i // 16) * 4)) & 15
+    return (_u8(qs, n, K // 2, (k // 32) * 16 + k % 16, mask) >> (((k // 16) % 2) * 4)) & 15
 
 
 @triton.jit
@@ -110,10 +111,9 @@ def _q8_0(qs, d, n, k, K: tl.constexpr, mask):
 
 @triton.jit
 def _q2(qs, n, k, K: tl.constexpr, mask):
-    """Q2_K/Q3_K's 2-bit code: element 128h + 32s + l of a super-block is (qs[32h + l] >> 2s) & 3."""
-    j = k % 256
-    byte = _u8(qs, n, K // 4, (k // 256) * 64 + (j // 128) * 32 + j % 32, mask)
-    return (byte >> (((j % 128) // 32) * 2)) & 3
+    """Q2_K/Q3_K's 2-bit code: element 128h + 32s + l of a super-block is (qs[32h + l] >> 2s) & 3, so
+    element k's byte is 32 (k // 128) + k % 32 of the row."""
+    return (_u8(qs, n, K // 4, (k // 128) * 32 + k % 32, mask) >> (((k // 32) % 4) * 2)) & 3
 
 
 @triton.jit
@@ -126,8 +126,7 @@ def _q2_k(qs, sc, d, dmin, n, k, K: tl.constexpr, mask):
 
 @triton.jit
 def _q3_k(hmask, qs, sc, d, n, k, K: tl.constexpr, mask):
-    j = k % 256
-    h = (_u8(hmask, n, K // 8, (k // 256) * 32 + j % 32, mask) >> (j // 32)) & 1
+    h = (_u8(hmask, n, K // 8, (k // 256) * 32 + k % 32, mask) >> ((k // 32) % 8)) & 1
     q = _q2(qs, n, k, K, mask) - ((h ^ 1) << 2)  # a clear hmask bit subtracts 4
     dl = _f32(d, n, K // 256, k // 256, mask) * _f32(sc, n, K // 16, k // 16, mask)
     return dl * q.to(tl.float32)
@@ -136,10 +135,8 @@ def _q3_k(hmask, qs, sc, d, n, k, K: tl.constexpr, mask):
 @triton.jit
 def _q4(qs, n, k, K: tl.constexpr, mask):
     """Q4_K/Q5_K's 4-bit code: sub-block j = (k % 256) // 32 is the low (j even) or high nibbles of
-    qs[32(j // 2) + l] of its super-block."""
-    j = k % 256
-    byte = _u8(qs, n, K // 2, (k // 256) * 128 + (j // 64) * 32 + j % 32, mask)
-    return (byte >> (((j // 32) % 2) * 4)) & 15
+    qs[32(j // 2) + l] of its super-block, so element k's byte is 32 (k // 64) + k % 32 of the row."""
+    return (_u8(qs, n, K // 2, (k // 64) * 32 + k % 32, mask) >> (((k // 32) % 2) * 4)) & 15
 
 
 @triton.jit
@@ -156,18 +153,17 @@ def _q4_k(qs, sc, mn, d, dmin, n, k, K: tl.constexpr, mask):
 
 @triton.jit
 def _q5_k(qs, qh, sc, mn, d, dmin, n, k, K: tl.constexpr, mask):
-    j = k % 256
-    hi = (_u8(qh, n, K // 8, (k // 256) * 32 + j % 32, mask) >> (j // 32)) & 1
+    hi = (_u8(qh, n, K // 8, (k // 256) * 32 + k % 32, mask) >> ((k // 32) % 8)) & 1
     return _k_affine(_q4(qs, n, k, K, mask) | (hi << 4), sc, mn, d, dmin, n, k, K, mask)
 
 
 @triton.jit
 def _q6_k(ql, qh, sc, d, n, k, K: tl.constexpr, mask):
-    # element 128h + 32t + i: nibble t // 2 of ql[64h + 32(t % 2) + i], 2-bit field t of qh[32h + i]
-    j = k % 256
-    h, t, i = j // 128, (j % 128) // 32, j % 32
-    lo = (_u8(ql, n, K // 2, (k // 256) * 128 + h * 64 + (t % 2) * 32 + i, mask) >> ((t // 2) * 4)) & 15
-    hi = (_u8(qh, n, K // 4, (k // 256) * 64 + h * 32 + i, mask) >> (t * 2)) & 3
+    # element 128h + 32t + i of a super-block: nibble t // 2 of ql[64h + 32(t % 2) + i], 2-bit field t
+    # of qh[32h + i]; over the row, h and the super-block fold into k // 128
+    lo = _u8(ql, n, K // 2, (k // 128) * 64 + ((k // 32) % 2) * 32 + k % 32, mask) >> (((k // 64) % 2) * 4)
+    hi = _u8(qh, n, K // 4, (k // 128) * 32 + k % 32, mask) >> (((k // 32) % 4) * 2)
+    lo, hi = lo & 15, hi & 3
     dl = _f32(d, n, K // 256, k // 256, mask) * _f32(sc, n, K // 16, k // 16, mask)
     return dl * ((lo | (hi << 4)) - 32).to(tl.float32)
 
