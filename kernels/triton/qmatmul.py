@@ -257,7 +257,7 @@ def qgemm_kernel(x_ptr, p0, p1, p2, p3, p4, p5, out_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     """out[m, n] = sum over k of x[m, k] * w[n, k]; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): the
-    M-tiles of one weight tile run side by side, so its bytes are read from HBM about once."""
+    M-tiles of one weight tile are launched side by side, so they find its bytes in L2."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -301,7 +301,8 @@ def plan_for(M: int, N: int, K: int) -> Plan:
     """The launch this module uses for x [M, K] and a weight [N, K]."""
     if M <= GEMV_MAX_M:
         block_m = 16 if M > 4 else 1 << (M - 1).bit_length()  # tl.dot wants 16 rows; the sum form pads to 2^i
-        # the sum form's [BLOCK_M, BLOCK_K, BLOCK_N] product lives in registers: 64 a thread at 4 warps
+        # the sum form's [BLOCK_M, BLOCK_K, BLOCK_N] product lives in registers: at most 32 a thread at
+        # 4 warps ([4, 64, 16])
         block_k = 128 if block_m == 1 else 64
         # few output columns: narrower tiles first, then split K while the grid has under two programs
         # per SM and each split keeps at least two K-steps
