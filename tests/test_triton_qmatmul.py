@@ -145,7 +145,9 @@ def test_aot_variants_cover_every_kernel_and_type():
 
 
 _AOT = textwrap.dedent("""
+    import re
     import sys
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -161,6 +163,8 @@ _AOT = textwrap.dedent("""
             for cc in (90, 80):
                 k = build(v, GPUTarget("cuda", cc, 32))
                 print(v.name, cc, len(k.asm["cubin"]), f"sm_{cc}" in k.asm["ptx"])
+                if cc == 90 and "M1_" in v.name:  # the loads of the decode GEMV
+                    print("loads", *sorted(set(re.findall(r"ld\\.global[.a-z0-9]*", k.asm["ptx"]))))
     # AMD's backend refuses tf32x3: the hip variants ask for ieee
     hip = [v for v in aot_variants("hip") if v.name in wanted and "gemm" in v.name]
     k = build(hip[0], GPUTarget("hip", "gfx942", 64))
@@ -176,7 +180,11 @@ def test_aot_compiles_to_cubin_for_sm90_and_sm80_and_hsaco_for_gfx942():
     run = subprocess.run([sys.executable, "-c", _AOT, *names], capture_output=True, text=True, env=env,
                          timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
-    lines = [line.split() for line in run.stdout.splitlines()]
+    lines = [line.split() for line in run.stdout.splitlines() if not line.startswith("loads")]
+    # Q4_1's qs bytes load 16 at a time (v4.b32) and its d, m once per group: no f16 load per element
+    # would show as ld.global.b16 (the x row loads as b32)
+    (loads,) = [line.split()[1:] for line in run.stdout.splitlines() if line.startswith("loads")]
+    assert "ld.global.v4.b32" in loads and "ld.global.b16" not in loads and "ld.global.b8" not in loads, loads
     assert sorted((n, cc) for n, cc, *_ in lines) == sorted(
         [(n, cc) for n in names for cc in ("90", "80")] + [(names[2], "gfx942")])
     assert all(int(size) > 5_000 and ok == "True" for _, _, size, ok in lines)
