@@ -30,6 +30,7 @@ prefill (`prefill_attention`), after vLLM's triton_unified_attention.py: one pro
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -270,6 +271,7 @@ def _merge_meta(split_meta: dict) -> dict:
     return {k: split_meta[k] for k in keep} | dict(BLOCK_S=MERGE_BLOCK_S)
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int,
                      scale: float) -> jax.Array:
     """The twin's contract (kernels/paged_attention.decode_attention): q [B, H, Dh] f32, k_new, v_new
@@ -291,6 +293,7 @@ def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, w
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **_merge_meta(meta))
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int,
                       scale: float) -> jax.Array:
     """The twin's contract (kernels/paged_attention.prefill_attention): q [B, T, H, Dh] f32; returns
