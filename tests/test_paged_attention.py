@@ -146,9 +146,9 @@ def _poison_stale(x: dict, value: float) -> dict:
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_stale_cells_past_a_rows_start_never_reach_the_output(value):
-    # rows 0 and 1 share no page, so row 1's start (the lower one) leaves stale cells that row 0 never reads
+    # the rows share no page; page 0, where a kernel's masked-off table lookups point, is row 1's last: stale
     x = _inputs(GEMMA3, starts=[37, 20], t=4, n_pages=16)
-    x["table"] = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    x["table"] = jnp.arange(15, -1, -1, dtype=jnp.int32).reshape(2, 8)
     bad = _poison_stale(x, value)
     n_new = jnp.array([4, 3], jnp.int32)
     for attn in (twin, tk):
