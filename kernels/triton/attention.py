@@ -248,9 +248,17 @@ def decode_splits(batch: int, n_kv_head: int, max_pages: int, page: int) -> tupl
     return -(-tiles // tiles_per_split), tiles_per_split * block_n
 
 
+def _refuse_unsupported(h: int, hkv: int, dh: int) -> None:
+    if h % hkv:
+        raise ValueError(f"attention kernels: {h} query heads do not group over {hkv} kv heads")
+    if dh < 16:  # tl.dot's smallest K
+        raise ValueError(f"attention kernels: head_dim {dh} < 16")
+
+
 def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     splits, split_cells = decode_splits(b, hkv, table.shape[1], page)
     return dict(SCALE=float(scale), WINDOW=int(window), H=h, HKV=hkv, G=h // hkv, DH=dh, P=page,
                 N_PAGES=n_pages, MAX_PAGES=table.shape[1], SPLITS=splits, SPLIT_CELLS=split_cells,
@@ -260,6 +268,7 @@ def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
 def _prefill_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, t, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     # K tiles of at most 4096 cells x dims (8 KB f16): the two loops' pipelined K, V and Q tiles then
     # fit an A100's 163 KB of shared memory at 3 stages (gemma3's Dh 256: 100 KB, 64/128: 82/106 KB)
     block_d = _pow2(dh)
