@@ -191,6 +191,17 @@ def test_triton_prefill_matches_twin(shape, window, t):
     assert not np.any(np.asarray(got)[1, 3:]) and not np.any(np.asarray(got)[3])
 
 
+def test_a_start_past_the_tables_columns_reads_only_the_listed_pages():
+    # the twins see the cells the table lists; the kernels must not read page ids past a row's columns
+    x = _inputs(SMOLLM2, starts=[70, 37], t=3, max_pages=2)
+    n_new = jnp.array([3, 3], jnp.int32)
+    one, new = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0]), (x["q"], x["k_new"], x["v_new"])
+    _close(tk.decode_attention(*one, *_pool_args(x), window=0, scale=0.125),
+           twin.decode_attention(*one, *_pool_args(x), window=0, scale=0.125))
+    _close(tk.prefill_attention(*new, *_pool_args(x), n_new, window=0, scale=0.125),
+           twin.prefill_attention(*new, *_pool_args(x), n_new, window=0, scale=0.125))
+
+
 def test_triton_decode_under_jit_serves_every_layer_from_one_program():
     x = _inputs(SMOLLM2, starts=[37, 5], t=1)
     one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
