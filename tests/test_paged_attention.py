@@ -178,10 +178,12 @@ def test_triton_decode_matches_twin(shape, window):
     _close(tk.decode_attention(*one, *_pool_args(x), **kw), twin.decode_attention(*one, *_pool_args(x), **kw))
 
 
-@pytest.mark.parametrize("shape,window,t", [(GEMMA3, 24, 12), (SMOLLM2, 0, 8), (dict(group=1, kv_heads=2,
-                                                                                    head_dim=64), 5, 8)])
+@pytest.mark.parametrize("shape,window,t", [(GEMMA3, 24, 12), (SMOLLM2, 0, 8),
+                                            (dict(group=1, kv_heads=2, head_dim=64), 5, 8),
+                                            (dict(group=1, kv_heads=1, head_dim=16), 5, 136)])
 def test_triton_prefill_matches_twin(shape, window, t):
-    # n_new: a full row, padding past a few tokens (gemma3's query blocks past it are skipped), one token, none
+    # n_new: a full row, padding past a few tokens (gemma3's query blocks past it are skipped), one token, none;
+    # at 136 tokens the last query block's window starts tiles past the first new token
     x = _inputs(shape, starts=STARTS, t=t)
     n_new = jnp.array([t, 3, 1, 0], jnp.int32)
     new = (x["q"], x["k_new"], x["v_new"])
