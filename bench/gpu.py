@@ -154,6 +154,9 @@ def weight_bytes(engine, path: Path) -> dict:
             break
     w = engine.weights
     total = sum(int(a.nbytes) for a in jax.tree.leaves(w))
+    report = out.get("engine_report")
+    if isinstance(report, dict) and isinstance(report.get("device_bytes"), int):
+        total = report["device_bytes"]
     embd = sum(int(a.nbytes) for a in jax.tree.leaves(w.token_embd))
     out["device_bytes"] = total
     out["read_per_token_bytes"] = total - embd if getattr(w, "output", None) is not None else total
@@ -308,8 +311,9 @@ def bench_model(run: Run, entry: dict, path: Path, p: dict, args, on_gpu: bool, 
     per_seq = -(-(p["prompt"] + p["warm"] + p["steps"] + 8) // page)
     n_pages = max(max(p["levels"]) * per_seq, -(-p["n_ctx"] // page)) + 8
     t0 = time.perf_counter()
+    layout = {"layout": args.layout} if args.layout else {}  # the wiring branch's option, where asked
     engine = Engine.load(path, verified=True, n_ctx=p["n_ctx"], max_seqs=max(p["levels"]), warmup=False,
-                         page_size=page, kv_cache_bytes=kv_bytes(path, n_pages, page))
+                         page_size=page, kv_cache_bytes=kv_bytes(path, n_pages, page), **layout)
     entry["load_s"] = time.perf_counter() - t0
     entry["kv_pages"] = engine.pool.n_pages
     engine.eog_ids = frozenset()  # random weights may sample <|eot_id|>: decode exactly the asked tokens
@@ -365,6 +369,7 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, help="where the synthetic model lives (default: a temp dir)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="no part starts after this many seconds")
     ap.add_argument("--peak-bw", type=float, help="the device's peak bandwidth, bytes/s (default: the table)")
+    ap.add_argument("--layout", help="the weights' layout (Engine.load's layout=: packed, dense, device)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even where it is installed")
     ap.add_argument("--out", type=Path, help="also write the JSON here (after every part)")
     args = ap.parse_args()

@@ -53,7 +53,9 @@ module_of() {  # a wheel's file name -> the module it provides
 }
 need=()
 for whl in bench/wheels/*.whl; do
-    "$PY" -c "import $(module_of "$whl")" 2> /dev/null || need+=("$whl")
+    # found, not imported: jax_triton's import fails on a CPU jaxlib though it is installed
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$(module_of "$whl")') is None)" \
+        2> /dev/null || need+=("$whl")
 done
 if [ $DRY = 1 ]; then
     # here every module is installed already: prove the carried set installs for the GPU image's Python
