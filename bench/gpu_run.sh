@@ -94,13 +94,13 @@ print(json.dumps(env, indent=1))
 EOF
 say "env: $(tr -d '\n' < "$OUT/env.json" | head -c 400)"
 
-# --- the checks and the bench, time-boxed (on the GPU machine 100 + 90 + 60 + 220 s at most) ---------
-step gpu_check "$(limit 100)" "$OUT/gpu_check.json" "$PY" -m bankml.cli gpu-check --json
+# --- the checks and the bench, time-boxed (on the GPU machine 90 + 120 + 60 + 200 s at most) ---------
+step gpu_check "$(limit 90)" "$OUT/gpu_check.json" "$PY" -m bankml.cli gpu-check --json
 
 # tests/conftest.py turns Triton's interpreter on unless told: the gpu tests compile for the device.
 # The dry run runs them on the CPU, kernels interpreted (tests/test_gpu_kernels.py says how).
 if [ $DRY = 1 ]; then test_env=(BANKML_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1); else test_env=(TRITON_INTERPRET=0); fi
-step gpu_tests "$(limit 90)" "$OUT/gpu_tests.txt" env "${test_env[@]}" BANKML_GPU_REPORT="$OUT/gpu_tests.json" \
+step gpu_tests "$(limit 120)" "$OUT/gpu_tests.txt" env "${test_env[@]}" BANKML_GPU_REPORT="$OUT/gpu_tests.json" \
     "$PY" -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 
 if [ $DRY = 1 ]; then
@@ -111,7 +111,7 @@ else
         mkdir -p "$MODEL_DIR"
         step synth 60 "$OUT/synth.json" "$PY" bench/synth_gguf.py llama3-8b "$SYNTH"
     fi
-    step bench 220 "$OUT/bench.stdout" "$PY" bench/gpu.py --out "$OUT/bench.json" --budget-s 170 \
+    step bench 200 "$OUT/bench.stdout" "$PY" bench/gpu.py --out "$OUT/bench.json" --budget-s 150 \
         --model-dir "$MODEL_DIR"
 fi
 
