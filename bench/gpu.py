@@ -10,8 +10,10 @@ SmolLM2-135M Q4_1 and gemma-3-270m Q4_K_M when their files are present (the mode
 tests/conftest.py's fixtures fill; nothing is downloaded). Each goes through the normal gate
 (bankml.verify against its FORK.json) and `Engine.load(path, verified=True, ...)`. Per model:
 
-- gate_s, load_s, startup_compile_s (what `bankml serve` compiles before it binds: warmup(essential=True)),
-  compile_s (every program compiled by the end, on demand included) and n_programs;
+- gate_s, load_s, first_token_s (the first request's prompt -> first token, compiling the programs it
+  needs: nothing is compiled ahead, so each part's first iterations compile its own), startup_s (the
+  three together), compile_s and n_programs (every program compiled by the end); with --warmup, what
+  `bankml serve` compiles before it binds (warmup(essential=True)) first, as warmup_s;
 - weights: device_bytes (the engine's report where it has one, else the sum of the weight arrays'
   nbytes), read_per_token_bytes (the same without an untied token_embd, which a step gathers one row
   of), file_tensor_bytes (the GGUF's tensor data);
@@ -20,7 +22,9 @@ tests/conftest.py's fixtures fill; nothing is downloaded). Each goes through the
   peak (a table by device name: H200 4.8 TB/s); device_step_ms is the decode program alone, called
   back to back, and host_share = 1 - device_step_ms / step_ms (the engine's own figure, where it reports one);
 - concurrency: aggregate decode tokens/s with 8, 32, 64 and 128 sequences decoding at once through the
-  scheduler (every sequence past its prompt; the step times of pure decode iterations);
+  scheduler (every sequence past its prompt; the step times of pure decode iterations). Prompts are 4
+  tokens, so 128 of them fit one iteration's prefill budget (512) and the batch starts whole: no
+  intermediate batch size is compiled on the way, and every step reads the smallest window (256 cells);
 - ttft: prompt submitted -> first token for 512- and 2048-token prompts (random ids, no shared prefix;
   first_ms includes compiling the programs it needed, ms is a second prompt of the same length);
 - llama_server: batch-1 decode and ttft through bench/decode.py's LlamaServer (with -ngl 999 on a GPU),
@@ -54,9 +58,9 @@ PEAK_BW_BYTES_PER_S = [
     ("L4", 0.3e12), ("RTX 4090", 1.008e12), ("MI300X", 5.3e12), ("MI250X", 3.2e12),
 ]
 
-FULL = {"shape": "llama3-8b", "levels": (8, 32, 64, 128), "ttft": (512, 2048), "n_ctx": 4096, "prompt": 32,
+FULL = {"shape": "llama3-8b", "levels": (8, 32, 64, 128), "ttft": (512, 2048), "n_ctx": 4096, "prompt": 4,
         "steps": 32, "warm": 3}
-QUICK = {"shape": "tiny", "levels": (2, 4), "ttft": (64, 128), "n_ctx": 256, "prompt": 16, "steps": 4, "warm": 2}
+QUICK = {"shape": "tiny", "levels": (2, 4), "ttft": (64, 128), "n_ctx": 256, "prompt": 4, "steps": 4, "warm": 2}
 
 
 def device_info(peak_override: float | None) -> dict:
@@ -182,6 +186,7 @@ def decode_level(engine, n_seqs: int, prompt: int, steps: int, warm: int, rng) -
     tasks = [engine.add(GenerateRequest(random_prompt(rng, prompt, engine.config.n_vocab), params, f"d{i}"))
              for i in range(n_seqs)]
     t0 = time.perf_counter()
+    first_token_s = None
 
     def pure_decode() -> bool:
         running = engine.scheduler.running
@@ -190,7 +195,8 @@ def decode_level(engine, n_seqs: int, prompt: int, steps: int, warm: int, rng) -
     done_warm = 0
     while done_warm < warm:
         pure = pure_decode()
-        engine.iterate()
+        if engine.iterate().outputs and first_token_s is None:
+            first_token_s = time.perf_counter() - t0
         done_warm += pure
     warm_s = time.perf_counter() - t0
     times, tokens = [], 0
@@ -206,7 +212,7 @@ def decode_level(engine, n_seqs: int, prompt: int, steps: int, warm: int, rng) -
     step_ms = sum(times) / steps * 1e3
     out = {"seqs": n_seqs, "aggregate_tok_per_s": tokens / sum(times), "step_ms": step_ms,
            "step_ms_p50": statistics.median(times) * 1e3, "step_ms_p90": float(np.percentile(times, 90)) * 1e3,
-           "steps": steps, "warm_s": warm_s, "device_step_ms": device_ms}
+           "steps": steps, "first_token_s": first_token_s, "warm_s": warm_s, "device_step_ms": device_ms}
     if isinstance(device_ms, float):
         out["host_share"] = max(0.0, 1.0 - device_ms / step_ms)
     return out
@@ -318,10 +324,9 @@ def bench_model(run: Run, entry: dict, path: Path, p: dict, args, on_gpu: bool, 
     entry["kv_pages"] = engine.pool.n_pages
     engine.eog_ids = frozenset()  # random weights may sample <|eot_id|>: decode exactly the asked tokens
     entry["weights"] = weight_bytes(engine, path)
-    run.save()
-    entry["startup_compile_s"] = engine.warmup(essential=True)
-    entry["startup_programs"] = len(engine._compiled)
-    entry["startup_s"] = entry["gate_s"] + entry["load_s"] + entry["startup_compile_s"]
+    if args.warmup:
+        entry["warmup_s"] = engine.warmup(essential=True)
+        entry["warmup_programs"] = len(engine._compiled)
     run.save()
 
     parts = [("batch1", lambda: decode_level(engine, 1, p["prompt"], p["steps"], p["warm"], rng))]
@@ -341,6 +346,8 @@ def bench_model(run: Run, entry: dict, path: Path, p: dict, args, on_gpu: bool, 
             run.save()
             continue
         if name == "batch1":
+            entry["first_token_s"] = got["first_token_s"]
+            entry["startup_s"] = entry["gate_s"] + entry["load_s"] + entry.get("warmup_s", 0.0) + got["first_token_s"]
             got["decode_tok_per_s"] = got.pop("aggregate_tok_per_s")
             read = entry["weights"]["read_per_token_bytes"]
             got["bandwidth_bytes_per_s"] = read / (got["step_ms"] / 1e3)
@@ -370,6 +377,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=330.0, help="no part starts after this many seconds")
     ap.add_argument("--peak-bw", type=float, help="the device's peak bandwidth, bytes/s (default: the table)")
     ap.add_argument("--layout", help="the weights' layout (Engine.load's layout=: packed, dense, device)")
+    ap.add_argument("--warmup", action="store_true", help="compile what `bankml serve` does before it binds, first")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even where it is installed")
     ap.add_argument("--out", type=Path, help="also write the JSON here (after every part)")
     args = ap.parse_args()
