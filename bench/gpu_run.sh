@@ -94,7 +94,7 @@ print(json.dumps(env, indent=1))
 EOF
 say "env: $(tr -d '\n' < "$OUT/env.json" | head -c 400)"
 
-# --- the checks and the bench, time-boxed (on the GPU machine 90 + 120 + 60 + 200 s at most) ---------
+# --- the checks and the bench, time-boxed (on the GPU machine 90 + 120 + 75 + 185 s at most) ---------
 step gpu_check "$(limit 90)" "$OUT/gpu_check.json" "$PY" -m bankml.cli gpu-check --json
 
 # tests/conftest.py turns Triton's interpreter on unless told: the gpu tests compile for the device.
@@ -109,9 +109,9 @@ else
     SYNTH=$MODEL_DIR/synthetic-llama3-8b.gguf  # the name bench/gpu.py looks for; kept for a second run
     if [ ! -f "$SYNTH.FORK.json" ]; then
         mkdir -p "$MODEL_DIR"
-        step synth 60 "$OUT/synth.json" "$PY" bench/synth_gguf.py llama3-8b "$SYNTH"
+        step synth 75 "$OUT/synth.json" "$PY" bench/synth_gguf.py llama3-8b "$SYNTH"
     fi
-    step bench 200 "$OUT/bench.stdout" "$PY" bench/gpu.py --out "$OUT/bench.json" --budget-s 150 \
+    step bench 185 "$OUT/bench.stdout" "$PY" bench/gpu.py --out "$OUT/bench.json" --budget-s 135 \
         --model-dir "$MODEL_DIR"
 fi
 

@@ -137,7 +137,9 @@ _unit_std: dict[Q, float] = {}
 def random_blocks(rng: np.random.Generator, n_blocks: int, qtype: Q, d_scale: float) -> np.ndarray:
     """uint8 [n_blocks, block_bytes]: uniform code bytes, f16 fields d ~ d_scale * U(0.5, 1.5)."""
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    blocks = np.frombuffer(rng.bytes(n_blocks * block_bytes), np.uint8).reshape(n_blocks, block_bytes).copy()
+    n = n_blocks * block_bytes
+    # the generator's raw 64-bit words: several times faster than rng.bytes or rng.integers
+    blocks = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(n_blocks, block_bytes)
     d = d_scale * rng.uniform(0.5, 1.5, n_blocks)
     for role, at in _F16_FIELDS[qtype]:
         value = {"d": d, "min": d * _CODE_MEAN.get(qtype, 0.0), "m": -d * _CODE_MEAN.get(qtype, 0.0)}[role]
@@ -187,7 +189,7 @@ def write(path: str | Path, shape_name: str, *, seed: int = 0) -> Path:
     """Write the synthetic `shape_name` model to `path` and its FORK.json to `path`.FORK.json."""
     shape = SHAPES[shape_name]
     path = Path(path)
-    rng = np.random.default_rng(seed)
+    rng = np.random.Generator(np.random.SFC64(seed))  # the fastest of numpy's generators
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"synthetic-{shape_name}")
     w.add_context_length(shape.context_length)
