@@ -143,9 +143,22 @@ def kv_bytes(path: Path, n_pages: int, page_size: int) -> int:
     return n_pages * page_bytes(Config.from_gguf(kv), page_size)
 
 
+def file_tensor_bytes(path: Path) -> int:
+    """The GGUF's tensor data bytes, through the loader's reader of the tensor table alone (gguf-py's
+    own parses every vocabulary entry: tens of seconds on a large one)."""
+    try:
+        from model.weights import _tensor_table
+
+        reader = _tensor_table(path)
+    except ImportError:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in reader.tensors)
+
+
 def weight_bytes(engine, path: Path) -> dict:
     """Device bytes of the weights: the engine's own report where it has one, else the arrays' nbytes."""
-    import gguf
     import jax
 
     out: dict = {}
@@ -165,7 +178,7 @@ def weight_bytes(engine, path: Path) -> dict:
     embd = sum(int(a.nbytes) for a in jax.tree.leaves(w.token_embd))
     out["device_bytes"] = total
     out["read_per_token_bytes"] = total - embd if getattr(w, "output", None) is not None else total
-    out["file_tensor_bytes"] = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    out["file_tensor_bytes"] = file_tensor_bytes(path)
     out["device_over_file"] = round(total / out["file_tensor_bytes"], 3)
     return out
 
