@@ -16,6 +16,8 @@ as 0 * inf. GQA: query head h reads kv head h // G, G = H // Hkv.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,6 +40,7 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
     return ok
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int,
                       scale: float) -> jax.Array:
     """q [B, T, H, Dh] f32 (query t at position starts[b] + t); k_new, v_new [B, T, Hkv, Dh] f32;
@@ -68,6 +71,7 @@ def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_n
     return jnp.where(real[:, :, None, None], out.reshape(b, t, h, dh), 0.0)
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int,
                      scale: float) -> jax.Array:
     """One new token per row, at position starts[b]: q [B, H, Dh] f32; k_new, v_new [B, Hkv, Dh] f32;

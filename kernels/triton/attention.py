@@ -9,8 +9,9 @@ whose every cell so far is masked keeps m = -inf without producing exp(-inf - -i
 
 Tensor cores take f16: Q is split into an f16 head and an f16 remainder (q = hi + lo to ~2^-22), and so
 is P in P.V, two dots each, so the products keep f32 accuracy against the twin. K and V are f16 as
-the pool holds them; the new tokens' K/V are read as f16 too, the values the forward scatters into the
-f16 pool (model/forward.py rounds them through the cache type before attention).
+the pool holds them; prefill reads the new tokens' K/V as f16 too, the values the forward scatters into
+the f16 pool (model/forward.py rounds them through the cache type before attention); decode's merge
+takes the one new token in f32.
 
 decode (`decode_attention`), after SGLang's decode_attention.py (_fwd_grouped_kernel_stage1/stage2):
   1. `_decode_split`, one program per (row, kv head, KV split): the G query heads of that kv head
@@ -29,7 +30,9 @@ prefill (`prefill_attention`), after vLLM's triton_unified_attention.py: one pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +45,7 @@ from kernels.paged_attention import prefill_attention as prefill_twin
 from kernels.triton.call import triton_call
 from kernels.triton.spec import AotVariant, CheckResult
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2 e)
 GPU_PROGRAMS = 2 * 132  # (row, kv head, split) programs wanted: two waves of an H200's 132 SMs
 DECODE_BLOCK_N = 64  # cells per decode tile: 4 pages of 16
 MERGE_BLOCK_S = 16  # splits the merge reads at a time
@@ -102,7 +105,8 @@ def _decode_split(q_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, table_ptr, starts_pt
     if WINDOW > 0:
         w_lo = tl.maximum(start - WINDOW + 1, 0)  # the first cell the window reaches
     lo = tl.maximum(split * SPLIT_CELLS, (w_lo // BLOCK_N) * BLOCK_N)
-    hi = tl.minimum((split + 1) * SPLIT_CELLS, start)
+    # cells past the table's columns are not the row's (and reading their page ids would leave the table)
+    hi = tl.minimum(tl.minimum((split + 1) * SPLIT_CELLS, start), MAX_PAGES * P)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -113,7 +117,7 @@ def _decode_split(q_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, table_ptr, starts_pt
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BN, BD] f16
         kt = tl.trans(k)
-        s = (tl.dot(q_hi, kt) + tl.dot(q_lo, kt)) * (SCALE * 1.4426950408889634)  # [BG, BN]
+        s = (tl.dot(q_hi, kt) + tl.dot(q_lo, kt)) * (SCALE * LOG2E)  # [BG, BN]
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(v_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BN, BD] f16
         m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v)
@@ -137,7 +141,7 @@ def _decode_merge(q_ptr, k_new_ptr, v_new_ptr, o_part_ptr, m_part_ptr, l_part_pt
     k_new = tl.load(k_new_ptr + (b * HKV + kh) * DH + d, mask=d_ok, other=0.0)
     v_new = tl.load(v_new_ptr + (b * HKV + kh) * DH + d, mask=d_ok, other=0.0)
     # the new token starts the sums: always visible, so the running max is finite from here on
-    m_i = tl.sum(q * k_new, 0) * (SCALE * 1.4426950408889634)
+    m_i = tl.sum(q * k_new, 0) * (SCALE * LOG2E)
     l_i = 1.0
     acc = v_new
     for s0 in tl.static_range(0, SPLITS, BLOCK_S):
@@ -180,20 +184,21 @@ def _prefill(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, tab
     q_row = (b * T + t) * H + kh * G + r % G
     q = tl.load(q_ptr + q_row[:, None] * DH + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     q_hi, q_lo = _split_f16(q)
-    qk_scale = SCALE * 1.4426950408889634
+    qk_scale = SCALE * LOG2E
     t_last = tl.minimum((r0 + BLOCK_M - 1) // G, T - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # the cached prefix, cells [w_lo, start): pages through the table
+    # the cached prefix, cells [w_lo, start): pages through the table (no further than its columns)
     w_lo = 0
     if WINDOW > 0:
         w_lo = tl.maximum(start + t_first - WINDOW + 1, 0)
-    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, start, BLOCK_N):
+    n_cached = tl.minimum(start, MAX_PAGES * P)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, n_cached, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        ok = (n >= w_lo) & (n < start)
+        ok = (n >= w_lo) & (n < n_cached)
         cell = _cell_offsets(table_ptr, b, n, ok, layer, kh, N_PAGES, HKV, P, DH, MAX_PAGES)
         kv_ok = ok[:, None] & d_ok[None, :]
         kt = tl.trans(tl.load(k_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0))  # [BD, BN]
@@ -245,9 +250,17 @@ def decode_splits(batch: int, n_kv_head: int, max_pages: int, page: int) -> tupl
     return -(-tiles // tiles_per_split), tiles_per_split * block_n
 
 
+def _refuse_unsupported(h: int, hkv: int, dh: int) -> None:
+    if h % hkv:
+        raise ValueError(f"attention kernels: {h} query heads do not group over {hkv} kv heads")
+    if dh < 16:  # tl.dot's smallest K
+        raise ValueError(f"attention kernels: head_dim {dh} < 16")
+
+
 def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     splits, split_cells = decode_splits(b, hkv, table.shape[1], page)
     return dict(SCALE=float(scale), WINDOW=int(window), H=h, HKV=hkv, G=h // hkv, DH=dh, P=page,
                 N_PAGES=n_pages, MAX_PAGES=table.shape[1], SPLITS=splits, SPLIT_CELLS=split_cells,
@@ -257,6 +270,7 @@ def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
 def _prefill_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, t, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     # K tiles of at most 4096 cells x dims (8 KB f16): the two loops' pipelined K, V and Q tiles then
     # fit an A100's 163 KB of shared memory at 3 stages (gemma3's Dh 256: 100 KB, 64/128: 82/106 KB)
     block_d = _pow2(dh)
@@ -270,6 +284,7 @@ def _merge_meta(split_meta: dict) -> dict:
     return {k: split_meta[k] for k in keep} | dict(BLOCK_S=MERGE_BLOCK_S)
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int,
                      scale: float) -> jax.Array:
     """The twin's contract (kernels/paged_attention.decode_attention): q [B, H, Dh] f32, k_new, v_new
@@ -291,6 +306,7 @@ def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, w
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **_merge_meta(meta))
 
 
+@partial(jax.jit, static_argnames=("window", "scale"))
 def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int,
                       scale: float) -> jax.Array:
     """The twin's contract (kernels/paged_attention.prefill_attention): q [B, T, H, Dh] f32; returns
@@ -335,7 +351,8 @@ def _aot_meta(dh: int, h: int, hkv: int, window: int) -> tuple[dict, dict]:
 
 
 def aot_variants() -> list[AotVariant]:
-    """decode split, merge and prefill for each of AOT_SHAPES."""
+    """decode split, merge and prefill for each of AOT_SHAPES; a kernel's variants share its name, the
+    name its `interpret_checks` results carry (gpu-check joins the two on it)."""
     f32, f16, i32 = "*fp32", "*fp16", "*i32"
     split_types = dict(q_ptr=f32, k_pool_ptr=f16, v_pool_ptr=f16, layer_ptr=i32, table_ptr=i32, starts_ptr=i32,
                        o_ptr=f32, m_ptr=f32, l_ptr=f32)
@@ -344,12 +361,11 @@ def aot_variants() -> list[AotVariant]:
     prefill_types = dict(q_ptr=f32, k_new_ptr=f32, v_new_ptr=f32, k_pool_ptr=f16, v_pool_ptr=f16, layer_ptr=i32,
                          table_ptr=i32, starts_ptr=i32, n_new_ptr=i32, out_ptr=f32)
     variants = []
-    for name, dh, h, hkv, window in AOT_SHAPES:
+    for _, dh, h, hkv, window in AOT_SHAPES:
         decode, prefill = _aot_meta(dh, h, hkv, window)
-        tag = f"{name}_d{dh}_g{h // hkv}"
-        variants += [_variant(f"attn_decode_split_{tag}", _decode_split, split_types, decode),
-                     _variant(f"attn_decode_merge_{tag}", _decode_merge, merge_types, _merge_meta(decode)),
-                     _variant(f"attn_prefill_{tag}", _prefill, prefill_types, prefill)]
+        variants += [_variant("attn_decode_split", _decode_split, split_types, decode),
+                     _variant("attn_decode_merge", _decode_merge, merge_types, _merge_meta(decode)),
+                     _variant("attn_prefill", _prefill, prefill_types, prefill)]
     return variants
 
 
@@ -390,9 +406,10 @@ def interpret_checks() -> list[CheckResult]:
         kw = dict(window=window, scale=1.0 / math.sqrt(dh))
         shape = f"B=2 H={group * kv_heads} Hkv={kv_heads} Dh={dh} P=16 starts=37,0 window={window}"
         one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
-        results.append(_check(f"attn_decode_g{group}", decode_attention(*one, *pool, **kw),
-                              decode_twin(*one, *pool, **kw), shape))
+        decode = _check("attn_decode_split", decode_attention(*one, *pool, **kw), decode_twin(*one, *pool, **kw),
+                        shape + " (split and merge together)")
+        results += [decode, dataclasses.replace(decode, name="attn_decode_merge")]
         new = (x["q"], x["k_new"], x["v_new"])
-        results.append(_check(f"attn_prefill_g{group}", prefill_attention(*new, *pool, n_new, **kw),
+        results.append(_check("attn_prefill", prefill_attention(*new, *pool, n_new, **kw),
                               prefill_twin(*new, *pool, n_new, **kw), shape + " T=8 n_new=5,8"))
     return results
