@@ -21,10 +21,10 @@ set -u
 OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [--cpu-dry-run]}
 DRY=0
 [ "${2:-}" = "--cpu-dry-run" ] && DRY=1
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT" || exit 1
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 1
 PY=${PYTHON:-python3}  # the image's Python with jax; PYTHON=... names another
 SITE=${BANKML_SITE:-/tmp/bankml-site}
 MODEL_DIR=${BANKML_GPU_MODELS:-/tmp/bankml-gpu-models}  # 4.9 GB: never under OUT_DIR (it comes back)
