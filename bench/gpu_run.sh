@@ -7,7 +7,7 @@
 # The image has Python 3.12, jax 0.11.2 (cuda13 plugin), triton 3.6 and torch, but no gguf, sanic or
 # openai. What bankml needs beyond that is carried in bench/wheels/ (2.8 MB, pure Python but PyYAML's
 # cp312 x86_64 wheel) and installed with `pip install --no-index --no-deps --target` into $SITE, only
-# for the modules the image cannot import. Then, each step time-boxed and its JSON written to OUT_DIR:
+# for the modules the image does not have. The script exits 1 when any step failed. Then, each step time-boxed and its JSON written to OUT_DIR:
 #   env.json          python, jax and its devices, triton, nvidia-smi, what was installed
 #   gpu_check.json    python -m bankml.cli gpu-check --json           (exit code in steps.json)
 #   gpu_tests.json    pytest -m gpu tests/test_gpu_kernels.py, each check's numbers (+ gpu_tests.xml)
@@ -124,10 +124,15 @@ else
         --model-dir "$MODEL_DIR"
 fi
 
+# steps.json; this script's own exit: 1 when any step's was not 0
 "$PY" - "$OUT/steps.tsv" > "$OUT/steps.json" << 'EOF'
 import json, sys
 rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
-print(json.dumps([{"step": n, "exit": int(rc), "seconds": round(int(ms) / 1e3, 1)} for n, rc, ms in rows], indent=1))
+steps = [{"step": n, "exit": int(rc), "seconds": round(int(ms) / 1e3, 1)} for n, rc, ms in rows]
+print(json.dumps(steps, indent=1))
+sys.exit(any(s["exit"] for s in steps))
 EOF
+rc=$?
 rm -f "$OUT/steps.tsv"
 cat "$OUT/steps.json"
+exit $rc
