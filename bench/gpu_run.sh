@@ -3,10 +3,12 @@
 #
 #     bench/gpu_run.sh OUT_DIR                 # on the GPU machine, well under 8 minutes
 #     bench/gpu_run.sh OUT_DIR --cpu-dry-run   # here: every step that runs without a GPU, small sizes
+#     bench/gpu_run.sh --fetch-wheels          # here, once: bench/gpu_wheels.txt into bench/wheels/
 #
 # The image has Python 3.12, jax 0.11.2 (cuda13 plugin), triton 3.6 and torch, but no gguf, sanic or
-# openai. What bankml needs beyond that is carried in bench/wheels/ (2.8 MB, pure Python but PyYAML's
-# cp312 x86_64 wheel) and installed with `pip install --no-index --no-deps --target` into $SITE, only
+# openai. What bankml needs beyond that (bench/gpu_wheels.txt) is fetched here with --fetch-wheels into
+# bench/wheels/ (2.8 MB, pure Python but PyYAML's cp312 x86_64 wheel; git ignores it, so carry it to the
+# machine with the tree: the device tool's carry=["bench/wheels"]) and installed with `pip install --no-index --no-deps --target` into $SITE, only
 # for the modules the image does not have. The script exits 1 when any step failed. Then, each step time-boxed and its JSON written to OUT_DIR:
 #   env.json          python, jax and its devices, triton, nvidia-smi, what was installed
 #   gpu_check.json    python -m bankml.cli gpu-check --json           (exit code in steps.json)
@@ -18,7 +20,12 @@
 # A step's stderr goes to OUT_DIR/<step>.log. A step that fails does not stop the next one.
 set -u
 
-OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [--cpu-dry-run]}
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+    exec "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 -d bench/wheels -r bench/gpu_wheels.txt
+fi
+OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [--cpu-dry-run] | --fetch-wheels}
 DRY=0
 [ "${2:-}" = "--cpu-dry-run" ] && DRY=1
 mkdir -p "$OUT"
@@ -53,6 +60,9 @@ module_of() {  # a wheel's file name -> the module it provides
     esac
 }
 need=()
+if ! compgen -G "bench/wheels/*.whl" > /dev/null; then
+    say "no wheels in bench/wheels/: run bench/gpu_run.sh --fetch-wheels where a registry is, and carry them"
+fi
 for whl in bench/wheels/*.whl; do
     # found, not imported: jax_triton's import fails on a CPU jaxlib though it is installed
     "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$(module_of "$whl")') is None)" \

@@ -5,7 +5,9 @@ rules of llama.cpp): a query at position p sees cached cell w iff w < starts[b] 
 row's start are stale: another sequence's, or never written) and, with a sliding window, iff
 p - w < window (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked iff p_q - p_k >= n_swa);
 it sees the new tokens causally under the same window. The new tokens' K/V are not in the pool yet
-(the forward scatters them after attention), so they come as their own arrays.
+(the forward scatters them after attention), so they come as their own arrays; they are read as the
+cache holds them, rounded to f16 (the forward has rounded them already, as llama.cpp's cache does), so
+the twins and the kernels agree whatever they are given.
 
 The pool is `[L, n_pages, Hkv, P, Dh]` (model/kvcache.py); cell w of row b is slot w % P of page
 table[b, w // P]. The twins gather every page the table lists, so callers pass as many table columns
@@ -23,6 +25,11 @@ import jax.numpy as jnp
 from jax import lax
 
 _HIGHEST = lax.Precision.HIGHEST  # f32 dots stay f32 on a GPU too (no TF32)
+
+
+def as_cached(a: jax.Array) -> jax.Array:
+    """New K or V as the f16 cache holds them, in f32."""
+    return a.astype(jnp.float16).astype(jnp.float32)
 
 
 def _gather(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
@@ -49,6 +56,7 @@ def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_n
     t >= n_new[b]."""
     b, t, h, dh = q.shape
     hkv = k_new.shape[2]
+    k_new, v_new = as_cached(k_new), as_cached(v_new)
     qg = q.reshape(b, t, hkv, h // hkv, dh)  # [B, T, K, G, Dh]
     q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
 

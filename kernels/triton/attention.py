@@ -40,6 +40,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from kernels.paged_attention import as_cached
 from kernels.paged_attention import decode_attention as decode_twin
 from kernels.paged_attention import prefill_attention as prefill_twin
 from kernels.triton.call import triton_call
@@ -301,7 +302,7 @@ def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, w
         kernel=_decode_split, out_shape=parts, grid=(b, meta["HKV"], splits), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES, **meta)
     return triton_call(
-        q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32), o_part, m_part, l_part,
+        q.astype(jnp.float32), as_cached(k_new), as_cached(v_new), o_part, m_part, l_part,
         kernel=_decode_merge, out_shape=jax.ShapeDtypeStruct((b, h, dh), jnp.float32), grid=(b, h),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **_merge_meta(meta))
 
@@ -316,7 +317,7 @@ def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_n
     i32 = jnp.int32
     grid = (b, meta["HKV"], triton.cdiv(t * meta["G"], meta["BLOCK_M"]))
     return triton_call(
-        q.astype(jnp.float32), k_new.astype(jnp.float32), v_new.astype(jnp.float32), k_pool, v_pool,
+        q.astype(jnp.float32), as_cached(k_new), as_cached(v_new), k_pool, v_pool,
         jnp.asarray(layer, i32), table.astype(i32), starts.astype(i32), n_new.astype(i32),
         kernel=_prefill, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=grid,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **meta)
