@@ -1,0 +1,335 @@
+"""`bankml gpu-check`: are the Triton kernels and the engine's GPU wiring right? Answered on any machine.
+
+Three checks, in child processes, because Triton reads TRITON_INTERPRET once, when it is imported:
+1. interpreter (TRITON_INTERPRET=1): every kernel module's `interpret_checks()`, its kernels run by
+   Triton's interpreter against their jnp twins; then
+3. in the same process, `model.wiring_check.run()`: the engine's GPU path end to end on a tiny model with
+   the kernels interpreted;
+2. ahead of time (TRITON_INTERPRET unset): every module's `aot_variants()` compiled for sm_90 and sm_80
+   (a cubin must come out) and, as information only, for AMD's gfx942 (an hsaco); the variants are
+   shared out over `jobs` processes, which run beside the interpreter's.
+Each child prints one JSON object on stdout (what the checks themselves print goes to stderr); the parent
+merges them into one row per kernel (name, types). A module that is missing or raises, or a child that
+dies or overruns, is a failed check with its reason, never a traceback.
+
+Both children run JAX on the CPU (JAX_PLATFORMS=cpu): the checks read the same on a GPU machine and
+take none of its memory.
+
+Exit codes: 0 everything passed, 1 something failed, 2 triton is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+KERNEL_MODULES = ("kernels.triton.qmatmul", "kernels.triton.attention")
+WIRING_MODULE = "model.wiring_check"
+
+# report name -> triton's GPUTarget(backend, arch, warp_size), and the binary that must come out
+TARGETS = {"sm_90": ("cuda", 90, 32), "sm_80": ("cuda", 80, 32), "gfx942": ("hip", "gfx942", 64)}
+BINARY = {"cuda": "cubin", "hip": "hsaco"}
+REQUIRED_TARGETS = ("sm_90", "sm_80")  # gfx942 is told, not required
+
+EXIT_PASSED, EXIT_FAILED, EXIT_NO_TRITON = 0, 1, 2
+NO_TRITON = ("triton is not installed: pip install 'bankml[gpu]' on a GPU machine, or 'bankml[test]' to "
+             "interpret and compile the kernels on the CPU")
+
+ROOT = Path(__file__).resolve().parents[1]  # the children import the same tree as this process
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failure: the exception, and where in the project it was raised."""
+    text = str(e).strip().splitlines()
+    where = ""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f.filename.startswith(str(ROOT)) and f.filename != __file__]
+    if frames:
+        where = f" (at {Path(frames[-1].filename).relative_to(ROOT)}:{frames[-1].lineno})"
+    gist = text[0] if text else ""
+    if len(text) > 1 and re.fullmatch(r"at \d+:\d+:", gist):  # triton's CompilationError: the error is last
+        gist = f"{text[-1]} (at {gist[3:-1]} in the kernel)"
+    line = f"{type(e).__name__}: {gist}"
+    return (line[:300] + where).strip()
+
+
+# --- the children ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Whatever the checks print, from Python or from a C library, goes to stderr; yields the real stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield saved
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+
+
+def _emit(fd: int, result: dict) -> None:
+    os.write(fd, (json.dumps(result, default=str) + "\n").encode())
+    os.close(fd)
+
+
+def interpret_part(kernel_modules: list[str], wiring_module: str) -> dict:
+    """Checks 1 and 3: each module's interpreter checks, then the wiring run."""
+    errors: list[dict] = []
+    checks: list[dict] = []
+    for name in kernel_modules:
+        try:
+            checks += [_check_of(name, r) for r in importlib.import_module(name).interpret_checks()]
+        except BaseException as e:  # noqa: B036 -- a module's SystemExit is its failure too
+            errors.append({"check": "interpret", "module": name, "reason": _reason(e)})
+    started = time.perf_counter()
+    try:
+        wiring = importlib.import_module(wiring_module).run()
+        if not isinstance(wiring, dict):
+            wiring = {"ok": False, "reason": f"run() returned {type(wiring).__name__}, not a dict"}
+    except BaseException as e:  # noqa: B036
+        wiring = {"ok": False, "reason": _reason(e)}
+    wiring = {"module": wiring_module, **wiring, "ok": bool(wiring.get("ok")),
+              "seconds": round(time.perf_counter() - started, 2)}
+    return {"errors": errors, "checks": checks, "wiring": wiring}
+
+
+def _check_of(module: str, r) -> dict:
+    """A CheckResult as plain JSON values (a numpy float or bool would not survive json.dumps)."""
+    return {"module": module, "name": str(r.name), "types": [str(t) for t in r.types], "shape": str(r.shape),
+            "max_rel_err": float(r.max_rel_err), "tolerance": float(r.tolerance), "ok": bool(r.ok)}
+
+
+def aot_part(kernel_modules: list[str], shard: int, shards: int) -> dict:
+    """Check 2, for every `shards`-th variant from the `shard`-th: compiled for each target."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    errors: list[dict] = []
+    variants: list[tuple[str, Any]] = []
+    for name in kernel_modules:
+        try:
+            variants += [(name, v) for v in importlib.import_module(name).aot_variants()]
+        except BaseException as e:  # noqa: B036
+            if shard == 0:  # every shard sees the same failure; one tells it
+                errors.append({"check": "aot", "module": name, "reason": _reason(e)})
+    compiled: list[dict] = []
+    for module, v in variants[shard::shards]:
+        targets: dict[str, str] = {}
+        started = time.perf_counter()
+        for target, (backend, arch, warp) in TARGETS.items():
+            try:
+                kernel = triton.compile(ASTSource(fn=v.kernel, signature=v.signature, constexprs=v.constexprs,
+                                                  attrs=v.attrs), target=GPUTarget(backend, arch, warp))
+                binary = kernel.asm.get(BINARY[backend])
+                targets[target] = "ok" if binary else f"no {BINARY[backend]} came out"
+            except BaseException as e:  # noqa: B036
+                targets[target] = _reason(e)
+        compiled.append({"module": module, "name": v.name, "types": list(v.types), "targets": targets,
+                         "seconds": round(time.perf_counter() - started, 2)})
+    return {"errors": errors, "variants": compiled}
+
+
+def _child_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bankml.gpu_check")
+    p.add_argument("part", choices=("interpret", "aot"))
+    p.add_argument("--kernel-modules", default=",".join(KERNEL_MODULES))
+    p.add_argument("--wiring-module", default=WIRING_MODULE)
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    args = p.parse_args(argv)
+    modules = [m for m in args.kernel_modules.split(",") if m]
+    with _stdout_to_stderr() as stdout:
+        if args.part == "interpret":
+            result = interpret_part(modules, args.wiring_module)
+        else:
+            result = aot_part(modules, args.shard, args.shards)
+    _emit(stdout, result)
+    return 0
+
+
+# --- the parent --------------------------------------------------------------------------------------
+
+
+def _child_env(interpret: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
+
+
+def _run_children(commands: list[tuple[list[str], bool]], timeout_s: float) -> list[dict]:
+    """Runs the children side by side; each one's JSON, or {"failed": reason} for one that did not give it."""
+    procs = [subprocess.Popen([sys.executable, "-m", "bankml.gpu_check", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_child_env(interpret), cwd=ROOT)
+             for argv, interpret in commands]
+    deadline = time.monotonic() + timeout_s
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            results.append({"failed": f"did not finish within {timeout_s:g} s"})
+            continue
+        try:
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        except (json.JSONDecodeError, IndexError):
+            tail = " | ".join(err.strip().splitlines()[-3:])
+            results.append({"failed": f"exited {proc.returncode} without its report: {tail[-500:]}"})
+    return results
+
+
+def _rows(checks: list[dict], variants: list[dict]) -> list[dict]:
+    """One row per kernel (name, types): its targets from the compiles, its worst check against the twin."""
+    keys = list(dict.fromkeys((c["name"], tuple(c["types"])) for c in [*checks, *variants]))
+    rows = []
+    for key in keys:
+        mine = [c for c in checks if (c["name"], tuple(c["types"])) == key]
+        compiled = [v for v in variants if (v["name"], tuple(v["types"])) == key]
+        reasons = []
+        targets = {}
+        for target in TARGETS:
+            failed = [v["targets"][target] for v in compiled if v["targets"][target] != "ok"]
+            targets[target] = "no AotVariant" if not compiled else (failed[0] if failed else "ok")
+            if target in REQUIRED_TARGETS and targets[target] != "ok":
+                reasons.append(f"{target}: {targets[target]}")
+        err = tolerance = None
+        if not mine:
+            reasons.append("no interpreter check against its twin")
+        else:
+            worst = max(mine, key=lambda c: (not _passed(c), _ratio(c)))
+            err = max(c["max_rel_err"] for c in mine)
+            err = err if math.isfinite(err) else None  # JSON has no NaN; the reason says it
+            tolerance = worst["tolerance"]
+            reasons += [f"{c['shape']}: max_rel_err {c['max_rel_err']:.3g}, tolerance {c['tolerance']:.3g}"
+                        for c in mine if not _passed(c)]
+        rows.append({"name": key[0], "types": list(key[1]),
+                     "module": (mine or compiled)[0]["module"], "targets": targets,
+                     "max_rel_err": err, "tolerance": tolerance, "shapes": [c["shape"] for c in mine],
+                     "ok": not reasons, **({"reasons": reasons} if reasons else {})})
+    return rows
+
+
+def _passed(check: dict) -> bool:
+    return bool(check["ok"]) and check["max_rel_err"] <= check["tolerance"]  # NaN is not <=
+
+
+def _ratio(check: dict) -> float:
+    err = check["max_rel_err"]
+    return math.inf if not math.isfinite(err) else err / max(check["tolerance"], 1e-30)
+
+
+def check(kernel_modules: list[str] | None = None, wiring_module: str = WIRING_MODULE, jobs: int = 2,
+          timeout_s: float = 300) -> dict:
+    """The three checks, merged: {"ok", "triton", "kernels", "wiring", "errors", "seconds"}.
+    The caller has checked that triton is installed (`triton_version`)."""
+    started = time.perf_counter()
+    modules = ",".join(KERNEL_MODULES if kernel_modules is None else kernel_modules)
+    jobs = max(1, jobs)
+    commands = [(["interpret", "--kernel-modules", modules, "--wiring-module", wiring_module], True)]
+    commands += [(["aot", "--kernel-modules", modules, "--shard", str(i), "--shards", str(jobs)], False)
+                 for i in range(jobs)]
+    interpreted, *compiled = _run_children(commands, timeout_s)
+    errors: list[dict] = []
+    if "failed" in interpreted:
+        errors.append({"check": "interpret", "module": None, "reason": interpreted["failed"]})
+        wiring = {"module": wiring_module, "ok": False,
+                  "reason": f"the interpreter's process {interpreted['failed']}"}
+    else:
+        wiring = interpreted["wiring"]
+    variants: list[dict] = []
+    for part in compiled:
+        if "failed" in part:
+            errors.append({"check": "aot", "module": None, "reason": part["failed"]})
+        else:
+            variants += part["variants"]
+    for part in [interpreted, *compiled]:
+        errors += part.get("errors", [])
+    errors = _merged(errors)
+    kernels = _rows(interpreted.get("checks", []), variants)
+    ok = not errors and bool(kernels) and all(k["ok"] for k in kernels) and wiring.get("ok") is True
+    return {"ok": ok, "triton": triton_version(), "kernels": kernels, "wiring": wiring, "errors": errors,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _merged(errors: list[dict]) -> list[dict]:
+    """A module that fails to import fails both children alike: one entry, naming both checks."""
+    merged: dict[tuple, dict] = {}
+    for e in errors:
+        key = (e["module"], e["reason"])
+        if key in merged:
+            merged[key]["check"] += f", {e['check']}"
+        else:
+            merged[key] = dict(e)
+    return list(merged.values())
+
+
+def triton_version() -> str | None:
+    """Triton's version, or None when it cannot be imported."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def table(report: dict) -> str:
+    """The report for a terminal: one line per kernel, then the wiring, then what failed and why."""
+    lines = [f"bankml gpu-check (triton {report['triton']})",
+             f"{'kernel':24} {'types':14} " + " ".join(f"{t:7}" for t in TARGETS) + f" {'max_rel_err':>11} "
+             f"{'tolerance':>9}  ok"]
+    for k in report["kernels"]:
+        err = "-" if k["max_rel_err"] is None else f"{k['max_rel_err']:.2e}"
+        tol = "-" if k["tolerance"] is None else f"{k['tolerance']:.0e}"
+        lines.append(f"{k['name']:24} {','.join(k['types']):14} "
+                     + " ".join(f"{'ok' if k['targets'][t] == 'ok' else 'FAIL':7}" for t in TARGETS)
+                     + f" {err:>11} {tol:>9}  {'ok' if k['ok'] else 'FAIL'}")
+    if not report["kernels"]:
+        lines.append("(no kernels reported)")
+    w = report["wiring"]
+    lines.append(f"wiring ({w.get('module')}): {'ok' if w.get('ok') is True else 'FAIL'}"
+                 + (f" -- {w['reason']}" if w.get("reason") else ""))
+    for k in report["kernels"]:
+        for r in k.get("reasons", []):
+            lines.append(f"  {k['name']} {','.join(k['types'])}: {r}")
+        gfx = k["targets"]["gfx942"]
+        if gfx != "ok" and not k.get("reasons"):
+            lines.append(f"  {k['name']} {','.join(k['types'])}: gfx942 (not required): {gfx}")
+    for e in report["errors"]:
+        lines.append(f"  {e['check']} {e['module'] or ''}: {e['reason']}")
+    lines.append(f"{'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """`bankml gpu-check [--json]` (bankml/cli.py parses the flags)."""
+    if triton_version() is None:
+        if args.json:
+            print(json.dumps({"ok": False, "triton": None, "reason": NO_TRITON}))
+        print(NO_TRITON, file=sys.stderr)
+        return EXIT_NO_TRITON
+    report = check(args.kernel_module or None, args.wiring_module, args.jobs, args.timeout)
+    print(json.dumps(report, indent=1) if args.json else table(report))
+    return EXIT_PASSED if report["ok"] else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
