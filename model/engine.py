@@ -55,7 +55,7 @@ from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
 from model.steps import put_row, run, select
-from model.weights import Weights, load_weights
+from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, load_weights, matrix_types
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class Engine:
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
         self._no_bias: dict[int, jax.Array] = {}  # DRY's zero bias, by batch size
         self.compile_s = 0.0
+        self.file_bytes: int | None = None  # the GGUF's tensor bytes, when loaded from a file (`load`)
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
         self.lazy_compile = False
 
@@ -137,10 +138,12 @@ class Engine:
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, max_seqs: int = 4,
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
-             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE) -> Engine:
+             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
-        packed: keep quantized matrices as integer codes (model/packed.py); default: on the CPU backend.
+        layout: the weights' layout (model/weights.py): "packed" (the CPU default), "dense", or "device"
+        (the GPU default: quantized blocks as they are, kernels chosen by kernels/ops.py).
+        packed: the older switch (True: "packed", False: "dense").
         activations: "f32", or "ggml" for llama.cpp's activation rounding (model/actquant.py).
         prefill_chunk: the largest prefill bucket (a power of two); longer prompts run in such chunks.
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
@@ -152,7 +155,8 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compile_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        config, weights = load_weights(path, verified=verified, packed=packed, activations=activations)
+        config, weights = load_weights(path, verified=verified, packed=packed, activations=activations,
+                                       layout=layout)
         if tokenizer is None:
             from model.tokenizer import Tokenizer
 
@@ -161,12 +165,30 @@ class Engine:
                                 kv_cache_bytes=kv_cache_bytes)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                      page_size=page_size, n_pages=n_pages)
+        engine.file_bytes = file_tensor_bytes(path)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
                  "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
                  page_size, n_pages * page_bytes(config, page_size) / 2**20, max_seqs)
+        _log_weights(engine.weights_report())
         if warmup:
             engine.warmup()
         return engine
+
+    def weights_report(self) -> dict:
+        """What the weights take and which kernels run them: {"layout", "device_bytes", "file_bytes"
+        (None unless loaded from a file), "ratio" (device over file bytes), "kernels" (kernels.ops.report
+        for the device layout; the stacked layouts do not go through kernels.ops)}."""
+        layout = layout_of(self.weights)
+        device = device_bytes(self.weights)
+        if layout == "device":
+            from kernels import ops
+
+            kernels = ops.report(matrix_types(self.weights))
+        else:
+            kernels = {"all": {"impl": "jnp", "why": f"the {layout} layout: stacked layers under lax.scan"
+                                                     f"{' (model/packed.py)' if layout == 'packed' else ''}"}}
+        return {"layout": layout, "device_bytes": device, "file_bytes": self.file_bytes,
+                "ratio": round(device / self.file_bytes, 4) if self.file_bytes else None, "kernels": kernels}
 
     # --- compiled programs ----------------------------------------------------------------------
 
@@ -496,6 +518,18 @@ class Engine:
                             np.zeros(1, np.int32), np.array([n], np.int32), config=self.config, window_pages=0,
                             all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+def _log_weights(report: dict) -> None:
+    ratio = report["ratio"]
+    log.info("weights: %s layout, %.1f MiB on the device for %.1f MiB in the file (%sx)", report["layout"],
+             report["device_bytes"] / 2**20, (report["file_bytes"] or 0) / 2**20,
+             "?" if ratio is None else f"{ratio:.3f}")
+    for op, rows in report["kernels"].items():
+        if op in ("backend", "mode"):
+            continue
+        for name, row in (rows.items() if op == "qmatmul" else [("", rows)]):
+            log.info("kernels: %s%s: %s (%s)", op, f" {name}" if name else "", row["impl"], row["why"])
 
 
 def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0) -> int:

@@ -7,7 +7,14 @@ computed and thrown away so the shapes never change; its writes are dropped). La
 differences (gemma3's sliding window and rope base) are scanned arrays. Each layer attends to the
 cells of the first `window_pages` pages of its row's table (valid below `starts[b]`) -- a static
 bucket the caller picks above the longest prefix -- plus the new tokens, causally; all new K/V are
-scattered into their pages in one write at the end. The float
+scattered into their pages in one write at the end.
+
+Weights in device layout (model/weights.py: a tuple of per-layer `Layer`s, matrices as `QWeight`s or
+16-bit arrays) take the same steps with the layers unrolled: a Python loop, each layer's types and
+sliding window static, every matmul through `kernels.ops.qmatmul` and attention through
+`kernels.ops.decode_attention` (T == 1) or `prefill_attention`, which read the pool's pages themselves
+(the layer index goes in as an int32 array). kernels/ops.py picks the Triton kernel or its jnp twin. The
+float
 rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
 exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
 llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
@@ -22,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels import ops
 from model.config import Config
 from model.kvcache import KVPool
 from model.packed import Packed, take_rows
@@ -35,22 +43,35 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
+_HIGHEST = lax.Precision.HIGHEST  # f32 dots stay f32 (XLA:GPU would otherwise run them as TF32 on Hopper)
+
+
 def _linear(x: jax.Array, w: jax.Array | Packed, b: jax.Array | None = None,
             layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ w.T (+ b). With `layer`, w and b are stacks over layers and `layer` picks one."""
     if isinstance(w, Packed):
         y = packed_linear(x, w, layer)
     else:
-        y = jnp.einsum("...i,oi->...o", x, w if layer is None else w[layer])  # GGUF's [out, in]
+        y = jnp.einsum("...i,oi->...o", x, w if layer is None else w[layer], precision=_HIGHEST)  # GGUF's [out, in]
     if b is not None:
         y = y + (b if layer is None else b[layer])
     return y
 
 
+def _qlinear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
+    """Device layout: x [..., in] @ w.T (+ b) through kernels.ops.qmatmul, on x flattened to [M, in]."""
+    y = ops.qmatmul(x.reshape(-1, x.shape[-1]), w)  # [M, out]
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if b is None else y + b
+
+
 def embed(weights: Weights, tokens: jax.Array, config: Config) -> jax.Array:
     """tokens [B, T] -> [B, T, D] (gemma scales by sqrt(n_embd))."""
     table = weights.token_embd
-    rows = take_rows(table, tokens) if isinstance(table, Packed) else table[tokens]
+    if isinstance(weights.layers, tuple):
+        rows = ops.take_rows(table, tokens)
+    else:
+        rows = take_rows(table, tokens) if isinstance(table, Packed) else table[tokens]
     return rows * jnp.float32(config.embd_scale)
 
 
@@ -70,67 +91,80 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
     new_ok = t_idx[None, :] <= t_idx[:, None]  # [T, S]
     if config.n_swa:
         new_ok &= ~is_swa | (t_idx[:, None] - t_idx[None, :] < config.n_swa)
-    scores = [jnp.where(new_ok, jnp.einsum("btkgd,bskd->bkgts", qg, k_new), -jnp.inf)]  # [B, K, G, T, T]
+    scores = [jnp.where(new_ok, jnp.einsum("btkgd,bskd->bkgts", qg, k_new, precision=_HIGHEST),
+                        -jnp.inf)]  # [B, K, G, T, T]
     if k_old is not None:
         n_old, page = k_old.shape[1], k_old.shape[3]
         w_idx = jnp.arange(n_old * page)
         old_ok = w_idx[None, None, :] < starts[:, None, None]  # [B, 1, W]
         if config.n_swa:
             old_ok = old_ok & (~is_swa | (positions[:, :, None] - w_idx[None, None, :] < config.n_swa))  # [B, T, W]
-        old = jnp.einsum("btkgd,bnkpd->bkgtnp", qg, k_old).reshape(b, config.n_head_kv, config.n_group, t, -1)
+        old = jnp.einsum("btkgd,bnkpd->bkgtnp", qg, k_old, precision=_HIGHEST)
+        old = old.reshape(b, config.n_head_kv, config.n_group, t, -1)
         scores.insert(0, jnp.where(old_ok[:, None, None], old, -jnp.inf))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -t:], v_new)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -t:], v_new, precision=_HIGHEST)
     if k_old is not None:
         p_old = probs[..., :-t].reshape(*probs.shape[:-1], k_old.shape[1], k_old.shape[3])  # [B, K, G, T, Wp, P]
-        out = out + jnp.einsum("bkgtnp,bnkpd->btkgd", p_old, v_old)
+        out = out + jnp.einsum("bkgtnp,bnkpd->btkgd", p_old, v_old, precision=_HIGHEST)
     return out.reshape(b, t, config.n_head * dh)
 
 
-def _layer(x, lw: Layer, il, is_swa, k_old, v_old, starts, positions, ropes, config: Config, kv_dtype):
-    """Block `il` of the stacked layers `lw`; returns (x_out, k_new, v_new). x [B, T, D].
+def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, kv_dtype):
+    """One block; returns (x_out, k_new, v_new). x [B, T, D].
 
-    Matrices stay stacked and are indexed inside their matmul (see packed.linear); vectors are
-    indexed here. Attention sees the new K and V as the cache stores them (kv_dtype), and Q rounded
-    to the same type, as llama.cpp's flash attention converts Q to the K cache's type.
+    Stacked weights (`il` a traced layer index): matrices stay stacked and are indexed inside their
+    matmul (see packed.linear); vectors are indexed here. Device layout (`il` None): `lw` is the one
+    layer, its matmuls go through kernels.ops. `attend(q, k, v) -> [B, T, H*Dh]` is the attention.
+    Attention sees the new K and V as the cache stores them (kv_dtype), and Q rounded to the same type,
+    as llama.cpp's flash attention converts Q to the K cache's type.
     """
     b, t, _ = x.shape
     dh, eps = config.head_dim, config.norm_eps
-    h = rms_norm(x, lw.attn_norm[il], eps)
-    q = _linear(h, lw.attn_q, lw.attn_q_bias, il).reshape(b, t, config.n_head, dh)
-    k = _linear(h, lw.attn_k, lw.attn_k_bias, il).reshape(b, t, config.n_head_kv, dh)
-    v = _linear(h, lw.attn_v, lw.attn_v_bias, il).reshape(b, t, config.n_head_kv, dh)
+
+    def vec(a):
+        return a if il is None else a[il]
+
+    def lin(h, w, bias=None):
+        return _qlinear(h, w, bias) if il is None else _linear(h, w, bias, il)
+
+    h = rms_norm(x, vec(lw.attn_norm), eps)
+    q = lin(h, lw.attn_q, lw.attn_q_bias).reshape(b, t, config.n_head, dh)
+    k = lin(h, lw.attn_k, lw.attn_k_bias).reshape(b, t, config.n_head_kv, dh)
+    v = lin(h, lw.attn_v, lw.attn_v_bias).reshape(b, t, config.n_head_kv, dh)
     if config.qk_norm:
-        q = rms_norm(q, lw.attn_q_norm[il], eps)
-        k = rms_norm(k, lw.attn_k_norm[il], eps)
+        q = rms_norm(q, vec(lw.attn_q_norm), eps)
+        k = rms_norm(k, vec(lw.attn_k_norm), eps)
     (cos_g, sin_g), (cos_l, sin_l) = ropes
-    if cos_g is not cos_l:
-        cos, sin = jnp.where(is_swa, cos_l, cos_g), jnp.where(is_swa, sin_l, sin_g)
-    else:
+    if cos_g is cos_l:
         cos, sin = cos_g, sin_g
+    elif isinstance(is_swa, bool):  # unrolled: this layer's kind is known
+        cos, sin = (cos_l, sin_l) if is_swa else (cos_g, sin_g)
+    else:
+        cos, sin = jnp.where(is_swa, cos_l, cos_g), jnp.where(is_swa, sin_l, sin_g)
     q = apply_rope(q, cos, sin, config.rope_neox)
     k = apply_rope(k, cos, sin, config.rope_neox)
     q, k, v = (a.astype(kv_dtype).astype(jnp.float32) for a in (q, k, v))
 
-    attn = _attention(q, k, v, k_old, v_old, starts, positions, is_swa, config)
-    out = _linear(attn, lw.attn_output, lw.attn_output_bias, il)
+    out = lin(attend(q, k, v), lw.attn_output, lw.attn_output_bias)
     if config.post_norms:
-        out = rms_norm(out, lw.post_attention_norm[il], eps)
+        out = rms_norm(out, vec(lw.post_attention_norm), eps)
     x = x + out
 
-    h = rms_norm(x, lw.ffn_norm[il], eps)
-    gate = _linear(h, lw.ffn_gate, None, il)
+    h = rms_norm(x, vec(lw.ffn_norm), eps)
+    gate = lin(h, lw.ffn_gate)
     act = jax.nn.gelu(gate, approximate=True) if config.ffn_gelu else jax.nn.silu(gate)
-    out = _linear(act * _linear(h, lw.ffn_up, None, il), lw.ffn_down, None, il)
+    out = lin(act * lin(h, lw.ffn_up), lw.ffn_down)
     if config.post_norms:
-        out = rms_norm(out, lw.post_ffw_norm[il], eps)
+        out = rms_norm(out, vec(lw.post_ffw_norm), eps)
     return x + out, k, v
 
 
 def output_logits(weights: Weights, x: jax.Array, config: Config) -> jax.Array:
     """Final norm and LM head: x [..., D] -> logits [..., V]."""
     x = rms_norm(x, weights.output_norm, config.norm_eps)
-    logits = _linear(x, weights.token_embd if weights.output is None else weights.output)
+    head = weights.token_embd if weights.output is None else weights.output
+    logits = _qlinear(x, head) if isinstance(weights.layers, tuple) else _linear(x, head)
     if config.final_logit_softcap > 0:
         cap = config.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap
@@ -148,11 +182,25 @@ def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array,
     row's start (0: every row starts at position 0 and no cell is read). Returns (logits, pool):
     logits [B, V] at each row's last real token, or [B, T, V] when `all_logits`.
     """
-    b, t = tokens.shape
-    n_pages, page = pool.n_pages, pool.page_size
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
     x = embed(weights, tokens, config)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
+    if isinstance(weights.layers, tuple):
+        x, k_new, v_new = _unrolled(weights.layers, x, pool, table, starts, n_new, ropes, config, window_pages)
+    else:
+        x, k_new, v_new = _scanned(weights.layers, x, pool, table, starts, positions, ropes, config, window_pages)
+    pool = _write(pool, k_new, v_new, table, positions, n_new)
+
+    if all_logits:
+        return output_logits(weights, x, config), pool
+    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
+    return output_logits(weights, last, config), pool
+
+
+def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, config: Config, window_pages: int):
+    """Stacked layers under one `lax.scan`; returns (x, k_new, v_new), the new K/V [L, B, T, Hkv, Dh]."""
+    b = x.shape[0]
+    page = pool.page_size
     is_swa = jnp.asarray(config.swa_layers, dtype=bool)
     window = table[:, :window_pages]  # [B, Wp]
     # cells at or past a row's start hold whatever the page held before (another sequence, a padding
@@ -166,26 +214,56 @@ def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array,
         if window_pages:  # one gather per layer: the row's pages, in order
             k_old = pool.k[il, window].astype(jnp.float32)  # [B, Wp, Hkv, P, Dh]
             v_old = jnp.where(stale, 0.0, pool.v[il, window].astype(jnp.float32))
-        x, k, v = _layer(x, weights.layers, il, layer_swa, k_old, v_old, starts, positions, ropes, config,
-                         pool.k.dtype)
+
+        def attend(q, k, v):
+            return _attention(q, k, v, k_old, v_old, starts, positions, layer_swa, config)
+
+        x, k, v = _layer(x, layers, il, layer_swa, attend, ropes, config, pool.k.dtype)
         return x, (k, v)
 
     # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)
     # every layer's weights out of the stack on each step.
     x, (k_new, v_new) = lax.scan(body, x, (is_swa, jnp.arange(config.n_layer)))
+    return x, k_new, v_new
 
-    # One scatter for all layers: row b's token j goes to cell (p % P) of page table[b, p // P], p its
-    # position. Padding tokens and positions past the table go to page n_pages, which is dropped.
+
+def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, n_new, ropes, config: Config,
+              window_pages: int):
+    """Device layout: one layer after another (unrolled under jit), attention through kernels.ops;
+    returns (x, k_new, v_new) as `_scanned` does."""
+    b, t, _ = x.shape
+    # the kernels read the cells below each row's start from the pages of its window (at least one
+    # page, so a prefill from position 0 reads an all-masked page rather than an empty table)
+    window = table[:, :max(window_pages, 1)]  # [B, Wp]
+    ks, vs = [], []
+    for il, lw in enumerate(layers):
+        swa = bool(config.swa_layers[il])
+        kw = dict(window=config.n_swa if swa else 0, scale=config.attn_scale)
+        layer = jnp.asarray(il, jnp.int32)
+
+        def attend(q, k, v, layer=layer, kw=kw):
+            if t == 1:
+                out = ops.decode_attention(q[:, 0], k[:, 0], v[:, 0], pool.k, pool.v, layer, window, starts, **kw)
+            else:
+                out = ops.prefill_attention(q, k, v, pool.k, pool.v, layer, window, starts, n_new, **kw)
+            return out.reshape(b, t, config.n_head * config.head_dim)
+
+        x, k, v = _layer(x, lw, None, swa, attend, ropes, config, pool.k.dtype)
+        ks.append(k)
+        vs.append(v)
+    return x, jnp.stack(ks), jnp.stack(vs)
+
+
+def _write(pool: KVPool, k_new, v_new, table, positions, n_new) -> KVPool:
+    """One scatter for all layers: row b's token j goes to cell (p % P) of page table[b, p // P], p its
+    position. Padding tokens and positions past the table go to page n_pages, which is dropped."""
+    t = positions.shape[1]
+    page = pool.page_size
     slot = positions // page
     real = (jnp.arange(t)[None, :] < n_new[:, None]) & (slot < table.shape[1])
-    pages = jnp.where(real, jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1), n_pages)
+    pages = jnp.where(real, jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1), pool.n_pages)
     cells = positions % page
     # advanced indices around a slice put their dims first: the target is [B, T, L, Hkv, Dh]
     k_all = pool.k.at[:, pages, :, cells].set(jnp.moveaxis(k_new, 0, 2).astype(pool.k.dtype), mode="drop")
     v_all = pool.v.at[:, pages, :, cells].set(jnp.moveaxis(v_new, 0, 2).astype(pool.v.dtype), mode="drop")
-    pool = KVPool(k_all, v_all)
-
-    if all_logits:
-        return output_logits(weights, x, config), pool
-    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
-    return output_logits(weights, last, config), pool
+    return KVPool(k_all, v_all)

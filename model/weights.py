@@ -1,4 +1,4 @@
-"""GGUF -> `Weights`: the model's tensors, dequantized once at load, stacked per layer for `lax.scan`.
+"""GGUF -> `Weights`: the model's tensors in the layout the forward pass runs on.
 
 Precondition: the file has passed `bankml.verify.verify` (guard + pin). gguf-py's reader is not safe
 on a crafted header, so `load_weights` refuses to open a file unless the caller says it was verified.
@@ -11,6 +11,14 @@ dequantized to f32 (kernels.dequant), or, with `packed` (the default on CPU), ke
 per-group constants (model/packed.py) when every layer's tensor is a block-quantized type -- the same
 values, at a third of the bytes a decode step streams. Matrices keep GGUF's row layout, [out, in],
 and GGUF's tensor names become the field names.
+
+Layouts (`load_weights(layout=...)`): "packed" (the CPU default) and "dense" (every matrix f32) stack the
+layers for `lax.scan`; "device" (the default on a GPU backend) keeps every block-quantized matrix as a
+`QWeight` (kernels/qlayout.py) built straight from the memory-mapped bytes -- nothing is dequantized on
+the host -- F16/BF16 matrices 16-bit and F32 ones f32. Layers of one file mix types (a Q4_K_M file has
+Q4_K and Q6_K blocks), so in this layout nothing is stacked: `Weights.layers` is a tuple of `Layer`s,
+one per block, which the forward pass unrolls (kernels/ops.py picks each matmul's kernel by type).
+`device_bytes` against `file_tensor_bytes` says what the layout costs over the file's own bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bankml.progress import stderr_progress
-from kernels.dequant import check_supported, dequantize
+from kernels.dequant import check_supported, dequantize, type_name
+from kernels.qlayout import QUANT_TYPES, QWeight, to_qweight
 from model.actquant import ACT_KIND
 from model.config import Config, UnsupportedModel
 from model.packed import PACKABLE_TYPES, Packed, pack, type_group, unpack_affine
@@ -35,13 +44,16 @@ from model.tokenizer_gguf import _KVReader, read_kv
 log = logging.getLogger(__name__)
 
 Array = jax.Array
-Matrix = Array | Packed  # f32 [out, in], or packed codes that expand to exactly the same values
+# f32 [out, in]; packed codes that expand to exactly the same values; or, in device layout, a QWeight or
+# an F16/BF16/F32 array
+Matrix = Array | Packed | QWeight
+LAYOUTS = ("packed", "dense", "device")
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class Layer:
-    """One transformer block; under `Weights.layers` every field is stacked: [n_layer, ...]."""
+    """One transformer block; under a stacked `Weights.layers` every field is [n_layer, ...]."""
 
     attn_norm: Array  # [D]
     attn_q: Matrix  # [H*Dh, D]
@@ -67,7 +79,7 @@ class Layer:
 class Weights:
     token_embd: Matrix  # [V, D]
     output_norm: Array  # [D]
-    layers: Layer
+    layers: Layer | tuple[Layer, ...]  # stacked, or one per block in device layout
     output: Matrix | None = None  # [V, D]; None: tied to token_embd (llama.cpp's TENSOR_DUPLICATED)
     rope_freqs: Array | None = None  # [n_rot/2] Llama 3.x rope factors: theta_i /= rope_freqs[i]
 
@@ -92,6 +104,8 @@ _LAYER_TENSORS = {
     "post_attention_norm.weight": "post_attention_norm",
     "post_ffw_norm.weight": "post_ffw_norm",
 }
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_QUANT_NAMES = frozenset(t if isinstance(t, str) else type_name(int(t)) for t in QUANT_TYPES)
 _OPTIONAL_BIASES = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")
 
 
@@ -125,28 +139,68 @@ def tensor_array(tensor) -> np.ndarray:
 
 
 def load_weights(path: str | os.PathLike, *, verified: bool, packed: bool | None = None,
-                 activations: str = "f32") -> tuple[Config, Weights]:
+                 activations: str = "f32", layout: str | None = None) -> tuple[Config, Weights]:
     """Read config and weights from a GGUF that `bankml.verify.verify` accepted (`verified=True`).
 
-    packed: keep block-quantized matrices packed (model/packed.py); default: on the CPU backend.
+    layout: "packed", "dense" or "device" (module docstring); default: "packed" on the CPU backend,
+    "device" on a GPU one. `packed` is the older switch: True is "packed", False "dense".
     activations: "f32", or "ggml" to round each packed matmul's input as llama.cpp's CPU backend does
-    (model/actquant.py; bench/rounding.py measures what that changes).
+    (model/actquant.py; bench/rounding.py measures what that changes; packed layout only).
     Raises `UnsupportedModel` / `UnsupportedTensorType` with the reason for anything we cannot run.
     """
     if not verified:
         raise PermissionError("refusing to load weights from a file that was not verified (bankml.verify)")
     if activations not in ("f32", "ggml"):
         raise ValueError(f"activations must be 'f32' or 'ggml', got {activations!r}")
+    layout = _layout(layout, packed)
+    if activations == "ggml" and layout != "packed":
+        raise ValueError(f"activations='ggml' rounds the packed layout's matmul inputs; the {layout} layout has none")
     config = Config.from_gguf(_plain(read_kv(path, prefixes=())))
     reader = _tensor_table(path)
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:  # refuse a bad type before spending time on the others
         check_supported(int(t.tensor_type), t.name)
-    if packed is None:
-        packed = jax.default_backend() == "cpu"
     # a progress line on a terminal; the caller's log line gives the time
     with stderr_progress().step("bankml: loading weights", len(tensors), "tensors", final=False) as step:
-        return config, _build(config, tensors, packed, activations == "ggml", step.advance)
+        return config, _build(config, tensors, layout, activations == "ggml", step.advance)
+
+
+def _layout(layout: str | None, packed: bool | None) -> str:
+    if layout is None:
+        if packed is not None:
+            return "packed" if packed else "dense"
+        return "packed" if jax.default_backend() == "cpu" else "device"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if packed is not None and (layout == "packed") != packed:
+        raise ValueError(f"packed={packed} contradicts layout={layout!r}")
+    return layout
+
+
+def layout_of(weights: Weights) -> str:
+    """The layout `weights` were loaded in."""
+    if isinstance(weights.layers, tuple):
+        return "device"
+    return "packed" if isinstance(weights.layers.attn_q, Packed) else "dense"
+
+
+def device_bytes(weights: Weights) -> int:
+    """What the weights take on the device: the sum of their arrays' bytes."""
+    return sum(int(a.nbytes) for a in jax.tree.leaves(weights))
+
+
+def file_tensor_bytes(path: str | os.PathLike) -> int:
+    """What the file's tensors take in it (their data, not the header)."""
+    return sum(int(t.n_bytes) for t in _tensor_table(path).tensors)
+
+
+def matrix_types(weights: Weights) -> list[str]:
+    """The types of the matrices, as kernels.ops names them ("Q4_K", "F16", ...): the report's rows."""
+    from kernels.ops import matrix_type
+
+    layers = weights.layers if isinstance(weights.layers, tuple) else (weights.layers,)
+    mats = [weights.token_embd, weights.output] + [getattr(layer, f) for layer in layers for f in _MATRICES]
+    return sorted({matrix_type(m) for m in mats if m is not None and not isinstance(m, Packed)})
 
 
 def _plain(kv: dict) -> dict:
@@ -185,7 +239,7 @@ def _tensor_table(path: str | os.PathLike):
         return GGUFReader(os.fspath(path))
 
 
-def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool,
+def _build(config: Config, tensors: dict, layout: str, ggml_rounding: bool,
            advance: Callable[[int], None] = lambda n: None) -> Weights:
     required, allowed = _layer_fields(config)
     shapes = _expected_shapes(config)
@@ -211,22 +265,53 @@ def _build(config: Config, tensors: dict, packed: bool, ggml_rounding: bool,
             raise UnsupportedModel(f"tensor {name} is present in {present.get(name, 0)} of {config.n_layer} blocks")
 
     gguf_name = {v: k for k, v in _LAYER_TENSORS.items()}
-    stacked = {}
-    for name in sorted(fields):
-        blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
-        stacked[name] = _stack(blocks, shapes[name], packed, ggml_rounding)
-        advance(len(blocks))
-
     d, v = config.n_embd, config.n_vocab
     out_w = tensors.get("output.weight")
     rope_freqs = tensors.get("rope_freqs.weight")
+    if layout == "device":
+        layers = []
+        for il in range(config.n_layer):
+            layers.append(Layer(**{name: _device(tensors[f"blk.{il}.{gguf_name[name]}"], shapes[name])
+                                   for name in sorted(fields)}))
+            advance(len(fields))
+        token_embd = _device(tensors["token_embd.weight"], (v, d))
+        output = None if out_w is None else _device(out_w, (v, d))
+        layers = tuple(layers)
+    else:
+        packed = layout == "packed"
+        stacked = {}
+        for name in sorted(fields):
+            blocks = [tensors[f"blk.{il}.{gguf_name[name]}"] for il in range(config.n_layer)]
+            stacked[name] = _stack(blocks, shapes[name], packed, ggml_rounding)
+            advance(len(blocks))
+        token_embd = _unstack(_stack([tensors["token_embd.weight"]], (v, d), packed, ggml_rounding))
+        output = None if out_w is None else _unstack(_stack([out_w], (v, d), packed, ggml_rounding))
+        layers = Layer(**stacked)
     return Weights(
-        token_embd=_unstack(_stack([tensors["token_embd.weight"]], (v, d), packed, ggml_rounding)),
+        token_embd=token_embd,
         output_norm=jnp.asarray(_checked(tensors["output_norm.weight"], (d,))),
-        layers=Layer(**stacked),
-        output=None if out_w is None else _unstack(_stack([out_w], (v, d), packed, ggml_rounding)),
+        layers=layers,
+        output=output,
         rope_freqs=None if rope_freqs is None else jnp.asarray(_checked(rope_freqs, (config.n_rot // 2,))),
     )
+
+
+def _device(tensor, shape: tuple[int, ...]):
+    """One tensor in device layout: a block-quantized matrix as a QWeight from its raw bytes, a 16-bit
+    matrix as it is, anything else (vectors, F32, a quantized type without a QWeight layout) as f32."""
+    got = tuple(int(n) for n in reversed(tensor.shape))
+    if got != shape:
+        raise UnsupportedModel(f"tensor {tensor.name!r} has shape {got}, expected {shape}")
+    t = int(tensor.tensor_type)
+    if len(shape) == 2 and type_name(t) in _QUANT_NAMES:
+        return to_qweight(np.asarray(tensor.data), t, *shape)
+    if len(shape) == 2 and t in (1, 30):  # F16, BF16: their own bits, 16 a weight
+        bits = np.ascontiguousarray(tensor.data).view(np.float16 if t == 1 else jnp.bfloat16)
+        return jnp.asarray(bits.reshape(shape))
+    if len(shape) == 2 and t != 0:
+        log.warning("tensor %s: %s has no device layout (kernels/qlayout.py); it is held as f32", tensor.name,
+                    type_name(t))
+    return jnp.asarray(_checked(tensor, shape))
 
 
 def _stack(tensors: list, shape: tuple[int, ...], packed: bool, ggml_rounding: bool) -> Matrix:
