@@ -198,34 +198,54 @@ def _run_children(commands: list[tuple[list[str], bool]], timeout_s: float) -> l
 
 
 def _rows(checks: list[dict], variants: list[dict]) -> list[dict]:
-    """One row per kernel (name, types): its targets from the compiles, its worst check against the twin."""
-    keys = list(dict.fromkeys((c["name"], tuple(c["types"])) for c in [*checks, *variants]))
-    rows = []
-    for key in keys:
-        mine = [c for c in checks if (c["name"], tuple(c["types"])) == key]
-        compiled = [v for v in variants if (v["name"], tuple(v["types"])) == key]
-        reasons = []
-        targets = {}
-        for target in TARGETS:
-            failed = [v["targets"][target] for v in compiled if v["targets"][target] != "ok"]
-            targets[target] = "no AotVariant" if not compiled else (failed[0] if failed else "ok")
-            if target in REQUIRED_TARGETS and targets[target] != "ok":
-                reasons.append(f"{target}: {targets[target]}")
-        err = tolerance = None
-        if not mine:
-            reasons.append("no interpreter check against its twin")
-        else:
-            worst = max(mine, key=lambda c: (not _passed(c), _ratio(c)))
-            err = max(c["max_rel_err"] for c in mine)
-            err = err if math.isfinite(err) else None  # JSON has no NaN; the reason says it
-            tolerance = worst["tolerance"]
-            reasons += [f"{c['shape']}: max_rel_err {c['max_rel_err']:.3g}, tolerance {c['tolerance']:.3g}"
-                        for c in mine if not _passed(c)]
-        rows.append({"name": key[0], "types": list(key[1]),
-                     "module": (mine or compiled)[0]["module"], "targets": targets,
-                     "max_rel_err": err, "tolerance": tolerance, "shapes": [c["shape"] for c in mine],
-                     "ok": not reasons, **({"reasons": reasons} if reasons else {})})
-    return rows
+    """One row per kernel: its compiled variants' targets, and its worst check against the twin.
+
+    A module names its checks and its variants as it likes (attention checks `attn_decode_g4` and
+    compiles `attn_decode_split_gemma3_d256_g4` and `attn_decode_merge_...`), so a kernel is the longest
+    run of leading `_`-separated words that a name shares with a name from the other side, in the same
+    module and types: both of those are `attn_decode`. A name that shares none is a kernel of its own,
+    which fails for want of a check or of a variant."""
+    rows: dict[tuple, dict] = {}
+    for side, entries, others in (("checks", checks, variants), ("variants", variants, checks)):
+        for e in entries:
+            key = (e["module"], _kernel_of(e, others), tuple(e["types"]))
+            rows.setdefault(key, {"checks": [], "variants": []})[side].append(e)
+    return [_row(*key, **sides) for key, sides in rows.items()]
+
+
+def _kernel_of(entry: dict, others: list[dict]) -> str:
+    words = entry["name"].split("_")
+    shared = 0
+    for o in others:
+        if (o["module"], o["types"]) == (entry["module"], entry["types"]):
+            shared = max(shared, len(os.path.commonprefix([words, o["name"].split("_")])))
+    return "_".join(words[:shared]) if shared else entry["name"]
+
+
+def _row(module: str, name: str, types: tuple[str, ...], checks: list[dict], variants: list[dict]) -> dict:
+    reasons = []
+    targets = {}
+    for target in TARGETS:
+        failed = [(v["name"], v["targets"][target]) for v in variants if v["targets"][target] != "ok"]
+        targets[target] = ("no AotVariant" if not variants else "ok" if not failed
+                           else f"{failed[0][0]}: {failed[0][1]}")
+        if target in REQUIRED_TARGETS and targets[target] != "ok":
+            reasons.append(f"{target}: {targets[target]}")
+    err = tolerance = None
+    if not checks:
+        reasons.append("no interpreter check against its twin")
+    else:
+        worst = max(checks, key=lambda c: (not _passed(c), _ratio(c)))
+        err = max(c["max_rel_err"] for c in checks)
+        err = err if math.isfinite(err) else None  # JSON has no NaN; the reason says it
+        tolerance = worst["tolerance"]
+        reasons += [f"{c['name']} ({c['shape']}): max_rel_err {c['max_rel_err']:.3g}, tolerance "
+                    f"{c['tolerance']:.3g}" for c in checks if not _passed(c)]
+    return {"name": name, "types": list(types), "module": module, "targets": targets, "max_rel_err": err,
+            "tolerance": tolerance, "ok": not reasons, **({"reasons": reasons} if reasons else {}),
+            "variants": list(dict.fromkeys(v["name"] for v in variants)),
+            "checks": [{k: c[k] for k in ("name", "shape", "max_rel_err", "tolerance")}
+                       | {"ok": _passed(c)} for c in checks]}
 
 
 def _passed(check: dict) -> bool:
@@ -293,15 +313,17 @@ def triton_version() -> str | None:
 
 def table(report: dict) -> str:
     """The report for a terminal: one line per kernel, then the wiring, then what failed and why."""
+    wide = max([len(k["name"]) for k in report["kernels"]] + [len("kernel")])
     lines = [f"bankml gpu-check (triton {report['triton']})",
-             f"{'kernel':24} {'types':14} " + " ".join(f"{t:7}" for t in TARGETS) + f" {'max_rel_err':>11} "
-             f"{'tolerance':>9}  ok"]
+             f"{'kernel':{wide}} {'types':14} " + " ".join(f"{t:7}" for t in TARGETS)
+             + f" {'max_rel_err':>11} {'tolerance':>9}  ok"]
     for k in report["kernels"]:
         err = "-" if k["max_rel_err"] is None else f"{k['max_rel_err']:.2e}"
         tol = "-" if k["tolerance"] is None else f"{k['tolerance']:.0e}"
-        lines.append(f"{k['name']:24} {','.join(k['types']):14} "
+        lines.append(f"{k['name']:{wide}} {','.join(k['types']):14} "
                      + " ".join(f"{'ok' if k['targets'][t] == 'ok' else 'FAIL':7}" for t in TARGETS)
-                     + f" {err:>11} {tol:>9}  {'ok' if k['ok'] else 'FAIL'}")
+                     + f" {err:>11} {tol:>9}  {'ok' if k['ok'] else 'FAIL':4}"
+                     + f"  ({len(k['variants'])} compiled, {len(k['checks'])} checked)")
     if not report["kernels"]:
         lines.append("(no kernels reported)")
     w = report["wiring"]

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import triton
 
+from bankml import gpu_check as gpu_check_module
+from bankml.gpu_check import TARGETS
+
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +49,9 @@ print("noise on stdout from the module")  # must not spoil the child's JSON
 
 def aot_variants():
     sig = {"x_ptr": "*fp32", "n_ptr": "*i32", "out_ptr": "*fp32", "FACTOR": "constexpr", "BLOCK": "constexpr"}
-    return [AotVariant("scale", ("f32",), scale_kernel, sig, {"FACTOR": 2.0, "BLOCK": 64},
+    return [AotVariant("scale_block64", ("f32",), scale_kernel, sig, {"FACTOR": 2.0, "BLOCK": 64},
                        {(0,): [["tt.divisibility", 16]]}),
-            AotVariant("scale", ("f32",), scale_kernel, sig, {"FACTOR": 2.0, "BLOCK": 128})]
+            AotVariant("scale_block128", ("f32",), scale_kernel, sig, {"FACTOR": 2.0, "BLOCK": 128})]
 
 
 def interpret_checks():
@@ -60,7 +63,7 @@ def interpret_checks():
                                            BLOCK=64))(x, n)[:100]
     twin = x * 2.0
     err = float(np.max(np.abs(got - twin)) / np.max(np.abs(twin)))
-    return [CheckResult("scale", ("f32",), "n=100", np.float32(err), 1e-6, np.bool_(err <= 1e-6))]
+    return [CheckResult("scale_n100", ("f32",), "n=100", np.float32(err), 1e-6, np.bool_(err <= 1e-6))]
 '''
 
 BAD = KERNEL + '''
@@ -128,8 +131,11 @@ def test_a_kernel_that_passes_all_three_checks(fakes):
     assert r.returncode == 0, r.stdout + r.stderr
     report = report_of(r)
     assert report["ok"] is True and report["triton"] == triton.__version__ and report["errors"] == []
-    (row,) = report["kernels"]  # two variants of one (name, types): one row
+    (row,) = report["kernels"]  # scale_block64, scale_block128 and scale_n100 are one kernel, "scale"
     assert row["name"] == "scale" and row["types"] == ["f32"] and row["module"] == "fake_good"
+    assert row["variants"] == ["scale_block64", "scale_block128"]
+    assert row["checks"] == [{"name": "scale_n100", "shape": "n=100", "max_rel_err": 0.0, "tolerance": 1e-6,
+                              "ok": True}]
     assert row["targets"] == {"sm_90": "ok", "sm_80": "ok", "gfx942": "ok"}
     assert row["max_rel_err"] == 0.0 and row["tolerance"] == 1e-6 and row["ok"] is True
     assert report["wiring"]["ok"] is True and report["wiring"]["tokens"] == [1, 2, 3]
@@ -148,10 +154,10 @@ def test_failures_are_named_and_exit_1(fakes):
     assert bad["ok"] is False and bad["max_rel_err"] == 0.5
     assert all(bad["targets"][t] != "ok" for t in ("sm_90", "sm_80", "gfx942"))
     assert bad["reasons"] == [f"sm_90: {bad['targets']['sm_90']}", f"sm_80: {bad['targets']['sm_80']}",
-                              "n=7: max_rel_err 0.5, tolerance 0.001"]
+                              "scale_bad (n=7): max_rel_err 0.5, tolerance 0.001"]
     never = rows["never_compiled"]
     assert never["ok"] is False and never["targets"]["sm_90"] == "no AotVariant"
-    assert bad["targets"]["sm_90"] == ("CompilationError: arange's range must be a power of 2 "
+    assert bad["targets"]["sm_90"] == ("scale_bad: CompilationError: arange's range must be a power of 2 "
                                        "(at 2:38 in the kernel)")
     assert report["errors"] == [
         {"check": "interpret", "module": "fake_raises", "reason": "RuntimeError: boom in interpret_checks"},
@@ -161,13 +167,35 @@ def test_failures_are_named_and_exit_1(fakes):
                                 "reason": "decode step differs from the reference at token 3"}
 
 
+def test_a_kernel_is_the_words_its_check_and_variant_names_share():
+    def entry(name, types=("f16",), module="m"):
+        return {"module": module, "name": name, "types": list(types), "shape": "s", "max_rel_err": 1e-7,
+                "tolerance": 1e-5, "ok": True, "targets": dict.fromkeys(TARGETS, "ok")}
+
+    checks = [entry("attn_decode_g4"), entry("attn_prefill_g4"), entry("attn_decode_g3"), entry("rope")]
+    variants = [entry(f"attn_{k}_{m}_g4") for m in ("gemma3_d256", "llama3_d128")
+                for k in ("decode_split", "decode_merge", "prefill")]
+    variants += [entry("attn_decode_split_q8", types=("q8_0",)), entry("attn_decode_g4", module="other")]
+    rows = {(r["module"], r["name"], *r["types"]): r for r in gpu_check_module._rows(checks, variants)}
+    assert sorted(rows) == [("m", "attn_decode", "f16"), ("m", "attn_decode_split_q8", "q8_0"),
+                            ("m", "attn_prefill", "f16"), ("m", "rope", "f16"),
+                            ("other", "attn_decode_g4", "f16")]
+    decode = rows["m", "attn_decode", "f16"]
+    assert decode["ok"] and len(decode["variants"]) == 4 and len(decode["checks"]) == 2
+    assert rows["m", "attn_prefill", "f16"]["ok"]
+    assert rows["m", "rope", "f16"]["reasons"] == ["sm_90: no AotVariant", "sm_80: no AotVariant"]
+    for lonely in (rows["m", "attn_decode_split_q8", "q8_0"], rows["other", "attn_decode_g4", "f16"]):
+        assert lonely["reasons"] == ["no interpreter check against its twin"]
+
+
 def test_the_table_says_what_failed(fakes):
     r = gpu_check("--kernel-module", "fake_bad", "--wiring-module", "fake_wiring_ok", "--jobs", "1",
                   path=[fakes])
     assert r.returncode == 1
     lines = r.stdout.splitlines()
     assert lines[0] == f"bankml gpu-check (triton {triton.__version__})"
-    assert any(line.split()[:2] == ["scale_bad", "q9"] and line.endswith("FAIL") for line in lines)
+    (row,) = [" ".join(line.split()) for line in lines if line.startswith("scale_bad ")]
+    assert row == "scale_bad q9 FAIL FAIL FAIL 5.00e-01 1e-03 FAIL (1 compiled, 1 checked)"
     assert "wiring (fake_wiring_ok): ok" in lines and lines[-1].startswith("FAILED in ")
 
 
