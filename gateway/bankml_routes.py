@@ -2,7 +2,8 @@
 
 It answers from the most recent verification, so a client (sAGI's models.py reads
 `verified.model_sha256` and `model`) can check what it is talking to before it asks anything. The
-status page shows the same dict (`bankml_info`). /bankml/usage, /bankml/metrics, /bankml/status and
+status page shows the same dict (`bankml_info`). "weights" is the engine's own report of its weights
+(layout, device bytes against the file's, which kernel runs each op: model/engine.py `weights_report`). /bankml/usage, /bankml/metrics, /bankml/status and
 /metrics are the monitor's (monitor_routes.py).
 """
 
@@ -26,7 +27,16 @@ def bankml_info(state) -> dict[str, Any]:
         "hashed_at": last.hashed_at if last else 0,
         "resident": res.resident.name if res.resident else None,
         "models": res.names,
+        "weights": _weights_report(state),
     }
+
+
+def _weights_report(state) -> dict[str, Any] | None:
+    """The resident engine's weights/kernels report, or None (no engine,
+    or an engine that does not report: the tests' fakes)."""
+    engine = getattr(getattr(state.client, "thread", None), "engine", None)
+    report = getattr(engine, "weights_report", None)
+    return report() if callable(report) else None
 
 
 async def bankml(request, state):

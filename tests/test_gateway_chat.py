@@ -330,7 +330,8 @@ def test_bankml_says_what_was_verified(server, pinned):
     r = httpx.get(server.url("/bankml"))
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     body = r.json()
-    assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models"]
+    assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models", "weights"]
+    assert body["weights"] is None  # the fake engine does not report its weights
     assert f'"model_sha256": "{pinned_sha(fork)}"' in r.text and '"verdict": "play"' in r.text
     assert body["model"] == str(model.resolve()) and body["upstream"] == f"127.0.0.1:{server.upstream_port}"
     assert body["resident"] == "tiny-model.q8_0" and body["models"] == ["tiny-model.q8_0"]

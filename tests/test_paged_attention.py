@@ -146,9 +146,9 @@ def _poison_stale(x: dict, value: float) -> dict:
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_stale_cells_past_a_rows_start_never_reach_the_output(value):
-    # rows 0 and 1 share no page, so row 1's start (the lower one) leaves stale cells that row 0 never reads
+    # the rows share no page; page 0, where a kernel's masked-off table lookups point, is row 1's last: stale
     x = _inputs(GEMMA3, starts=[37, 20], t=4, n_pages=16)
-    x["table"] = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    x["table"] = jnp.arange(15, -1, -1, dtype=jnp.int32).reshape(2, 8)
     bad = _poison_stale(x, value)
     n_new = jnp.array([4, 3], jnp.int32)
     for attn in (twin, tk):
@@ -213,7 +213,9 @@ def test_decode_splits_fill_the_gpu_and_cover_the_table():
 
 def test_interpret_checks_pass():
     results = tk.interpret_checks()
-    assert {r.name for r in results} == {"attn_decode_g4", "attn_prefill_g4", "attn_decode_g3", "attn_prefill_g3"}
+    # one result per kernel and case, under the kernel's AotVariant name: gpu-check joins the two on it
+    assert sorted(r.name for r in results) == sorted([v.name for v in tk.aot_variants()[:3]] * 2)
+    assert {v.name for v in tk.aot_variants()} == {r.name for r in results}
     assert all(r.ok and r.max_rel_err <= r.tolerance for r in results), results
 
 
@@ -226,7 +228,7 @@ from triton.compiler import ASTSource, compile
 from kernels.triton.attention import NUM_STAGES, NUM_WARPS, aot_variants
 out = []
 for v in aot_variants():
-    if not v.name.split("_")[-3] in ("smollm2", "gemma3"):
+    if (v.constexprs["DH"], v.constexprs["G"]) not in ((64, 3), (256, 4)):  # SmolLM2's and gemma3's
         continue
     for arch in (90, 80):
         k = compile(ASTSource(fn=v.kernel, signature=v.signature, constexprs=v.constexprs, attrs=v.attrs),

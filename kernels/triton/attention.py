@@ -9,8 +9,9 @@ whose every cell so far is masked keeps m = -inf without producing exp(-inf - -i
 
 Tensor cores take f16: Q is split into an f16 head and an f16 remainder (q = hi + lo to ~2^-22), and so
 is P in P.V, two dots each, so the products keep f32 accuracy against the twin. K and V are f16 as
-the pool holds them; the new tokens' K/V are read as f16 too, the values the forward scatters into the
-f16 pool (model/forward.py rounds them through the cache type before attention).
+the pool holds them; prefill reads the new tokens' K/V as f16 too, the values the forward scatters into
+the f16 pool (model/forward.py rounds them through the cache type before attention); decode's merge
+takes the one new token in f32.
 
 decode (`decode_attention`), after SGLang's decode_attention.py (_fwd_grouped_kernel_stage1/stage2):
   1. `_decode_split`, one program per (row, kv head, KV split): the G query heads of that kv head
@@ -29,6 +30,7 @@ prefill (`prefill_attention`), after vLLM's triton_unified_attention.py: one pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -43,7 +45,7 @@ from kernels.paged_attention import prefill_attention as prefill_twin
 from kernels.triton.call import triton_call
 from kernels.triton.spec import AotVariant, CheckResult
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2 e)
 GPU_PROGRAMS = 2 * 132  # (row, kv head, split) programs wanted: two waves of an H200's 132 SMs
 DECODE_BLOCK_N = 64  # cells per decode tile: 4 pages of 16
 MERGE_BLOCK_S = 16  # splits the merge reads at a time
@@ -114,7 +116,7 @@ def _decode_split(q_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, table_ptr, starts_pt
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BN, BD] f16
         kt = tl.trans(k)
-        s = (tl.dot(q_hi, kt) + tl.dot(q_lo, kt)) * (SCALE * 1.4426950408889634)  # [BG, BN]
+        s = (tl.dot(q_hi, kt) + tl.dot(q_lo, kt)) * (SCALE * LOG2E)  # [BG, BN]
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(v_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BN, BD] f16
         m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v)
@@ -138,7 +140,7 @@ def _decode_merge(q_ptr, k_new_ptr, v_new_ptr, o_part_ptr, m_part_ptr, l_part_pt
     k_new = tl.load(k_new_ptr + (b * HKV + kh) * DH + d, mask=d_ok, other=0.0)
     v_new = tl.load(v_new_ptr + (b * HKV + kh) * DH + d, mask=d_ok, other=0.0)
     # the new token starts the sums: always visible, so the running max is finite from here on
-    m_i = tl.sum(q * k_new, 0) * (SCALE * 1.4426950408889634)
+    m_i = tl.sum(q * k_new, 0) * (SCALE * LOG2E)
     l_i = 1.0
     acc = v_new
     for s0 in tl.static_range(0, SPLITS, BLOCK_S):
@@ -181,7 +183,7 @@ def _prefill(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, tab
     q_row = (b * T + t) * H + kh * G + r % G
     q = tl.load(q_ptr + q_row[:, None] * DH + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     q_hi, q_lo = _split_f16(q)
-    qk_scale = SCALE * 1.4426950408889634
+    qk_scale = SCALE * LOG2E
     t_last = tl.minimum((r0 + BLOCK_M - 1) // G, T - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -338,7 +340,8 @@ def _aot_meta(dh: int, h: int, hkv: int, window: int) -> tuple[dict, dict]:
 
 
 def aot_variants() -> list[AotVariant]:
-    """decode split, merge and prefill for each of AOT_SHAPES."""
+    """decode split, merge and prefill for each of AOT_SHAPES; a kernel's variants share its name, the
+    name its `interpret_checks` results carry (gpu-check joins the two on it)."""
     f32, f16, i32 = "*fp32", "*fp16", "*i32"
     split_types = dict(q_ptr=f32, k_pool_ptr=f16, v_pool_ptr=f16, layer_ptr=i32, table_ptr=i32, starts_ptr=i32,
                        o_ptr=f32, m_ptr=f32, l_ptr=f32)
@@ -347,12 +350,11 @@ def aot_variants() -> list[AotVariant]:
     prefill_types = dict(q_ptr=f32, k_new_ptr=f32, v_new_ptr=f32, k_pool_ptr=f16, v_pool_ptr=f16, layer_ptr=i32,
                          table_ptr=i32, starts_ptr=i32, n_new_ptr=i32, out_ptr=f32)
     variants = []
-    for name, dh, h, hkv, window in AOT_SHAPES:
+    for _, dh, h, hkv, window in AOT_SHAPES:
         decode, prefill = _aot_meta(dh, h, hkv, window)
-        tag = f"{name}_d{dh}_g{h // hkv}"
-        variants += [_variant(f"attn_decode_split_{tag}", _decode_split, split_types, decode),
-                     _variant(f"attn_decode_merge_{tag}", _decode_merge, merge_types, _merge_meta(decode)),
-                     _variant(f"attn_prefill_{tag}", _prefill, prefill_types, prefill)]
+        variants += [_variant("attn_decode_split", _decode_split, split_types, decode),
+                     _variant("attn_decode_merge", _decode_merge, merge_types, _merge_meta(decode)),
+                     _variant("attn_prefill", _prefill, prefill_types, prefill)]
     return variants
 
 
@@ -393,9 +395,10 @@ def interpret_checks() -> list[CheckResult]:
         kw = dict(window=window, scale=1.0 / math.sqrt(dh))
         shape = f"B=2 H={group * kv_heads} Hkv={kv_heads} Dh={dh} P=16 starts=37,0 window={window}"
         one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
-        results.append(_check(f"attn_decode_g{group}", decode_attention(*one, *pool, **kw),
-                              decode_twin(*one, *pool, **kw), shape))
+        decode = _check("attn_decode_split", decode_attention(*one, *pool, **kw), decode_twin(*one, *pool, **kw),
+                        shape + " (split and merge together)")
+        results += [decode, dataclasses.replace(decode, name="attn_decode_merge")]
         new = (x["q"], x["k_new"], x["v_new"])
-        results.append(_check(f"attn_prefill_g{group}", prefill_attention(*new, *pool, n_new, **kw),
+        results.append(_check("attn_prefill", prefill_attention(*new, *pool, n_new, **kw),
                               prefill_twin(*new, *pool, n_new, **kw), shape + " T=8 n_new=5,8"))
     return results
