@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import math
 import os
@@ -120,18 +121,19 @@ def aot_part(kernel_modules: list[str], shard: int, shards: int) -> dict:
     from triton.compiler import ASTSource
 
     errors: list[dict] = []
-    variants: list[tuple[str, Any]] = []
+    variants: list[tuple[str, dict[str, Any]]] = []  # (module, backend -> its AotVariant)
     for name in kernel_modules:
         try:
-            variants += [(name, v) for v in importlib.import_module(name).aot_variants()]
+            variants += [(name, v) for v in _variants_of(importlib.import_module(name))]
         except BaseException as e:  # noqa: B036
             if shard == 0:  # every shard sees the same failure; one tells it
                 errors.append({"check": "aot", "module": name, "reason": _reason(e)})
     compiled: list[dict] = []
-    for module, v in variants[shard::shards]:
+    for module, per_backend in variants[shard::shards]:
         targets: dict[str, str] = {}
         started = time.perf_counter()
         for target, (backend, arch, warp) in TARGETS.items():
+            v = per_backend[backend]
             try:
                 kernel = triton.compile(ASTSource(fn=v.kernel, signature=v.signature, constexprs=v.constexprs,
                                                   attrs=v.attrs), target=GPUTarget(backend, arch, warp))
@@ -139,9 +141,25 @@ def aot_part(kernel_modules: list[str], shard: int, shards: int) -> dict:
                 targets[target] = "ok" if binary else f"no {BINARY[backend]} came out"
             except BaseException as e:  # noqa: B036
                 targets[target] = _reason(e)
+        v = per_backend["cuda"]
         compiled.append({"module": module, "name": v.name, "types": list(v.types), "targets": targets,
                          "seconds": round(time.perf_counter() - started, 2)})
     return {"errors": errors, "variants": compiled}
+
+
+def _variants_of(module) -> list[dict[str, Any]]:
+    """The module's variants, each as {backend: AotVariant}. A module whose `aot_variants` takes a
+    `backend` ("cuda" or "hip": qmatmul's tl.dot precision differs) gives one list per backend, in the
+    same order; otherwise one list serves both."""
+    backends = sorted(set(BINARY))
+    if "backend" in inspect.signature(module.aot_variants).parameters:
+        lists = [module.aot_variants(backend=b) for b in backends]
+    else:
+        lists = [module.aot_variants()] * len(backends)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"aot_variants gives {' and '.join(map(str, map(len, lists)))} variants for "
+                         f"{' and '.join(backends)}")
+    return [dict(zip(backends, vs, strict=True)) for vs in zip(*lists, strict=True)]
 
 
 def _child_main(argv: list[str]) -> int:
@@ -153,12 +171,13 @@ def _child_main(argv: list[str]) -> int:
     p.add_argument("--shards", type=int, default=1)
     args = p.parse_args(argv)
     modules = [m for m in args.kernel_modules.split(",") if m]
+    started = time.perf_counter()
     with _stdout_to_stderr() as stdout:
         if args.part == "interpret":
             result = interpret_part(modules, args.wiring_module)
         else:
             result = aot_part(modules, args.shard, args.shards)
-    _emit(stdout, result)
+    _emit(stdout, {**result, "seconds": round(time.perf_counter() - started, 1)})
     return 0
 
 
@@ -259,7 +278,8 @@ def _ratio(check: dict) -> float:
 
 def check(kernel_modules: list[str] | None = None, wiring_module: str = WIRING_MODULE, jobs: int = 2,
           timeout_s: float = 300) -> dict:
-    """The three checks, merged: {"ok", "triton", "kernels", "wiring", "errors", "seconds"}.
+    """The three checks, merged: {"ok", "triton", "kernels", "wiring", "errors", "seconds",
+    "interpret_seconds", "aot_seconds"} (the last two: each child's own time, the slowest AOT one).
     The caller has checked that triton is installed (`triton_version`)."""
     started = time.perf_counter()
     modules = ",".join(KERNEL_MODULES if kernel_modules is None else kernel_modules)
@@ -287,7 +307,9 @@ def check(kernel_modules: list[str] | None = None, wiring_module: str = WIRING_M
     kernels = _rows(interpreted.get("checks", []), variants)
     ok = not errors and bool(kernels) and all(k["ok"] for k in kernels) and wiring.get("ok") is True
     return {"ok": ok, "triton": triton_version(), "kernels": kernels, "wiring": wiring, "errors": errors,
-            "seconds": round(time.perf_counter() - started, 1)}
+            "seconds": round(time.perf_counter() - started, 1),
+            "interpret_seconds": interpreted.get("seconds"),
+            "aot_seconds": max((c["seconds"] for c in compiled if "seconds" in c), default=None)}
 
 
 def _merged(errors: list[dict]) -> list[dict]:
@@ -327,8 +349,10 @@ def table(report: dict) -> str:
     if not report["kernels"]:
         lines.append("(no kernels reported)")
     w = report["wiring"]
+    told = [f"{k}={v}" for k, v in w.items() if k not in ("module", "ok", "seconds", "reason")
+            and isinstance(v, bool | int | float | str)]
     lines.append(f"wiring ({w.get('module')}): {'ok' if w.get('ok') is True else 'FAIL'}"
-                 + (f" -- {w['reason']}" if w.get("reason") else ""))
+                 + (f" -- {w['reason']}" if w.get("reason") else f" {' '.join(told)}" if told else ""))
     for k in report["kernels"]:
         for r in k.get("reasons", []):
             lines.append(f"  {k['name']} {','.join(k['types'])}: {r}")
@@ -337,7 +361,8 @@ def table(report: dict) -> str:
             lines.append(f"  {k['name']} {','.join(k['types'])}: gfx942 (not required): {gfx}")
     for e in report["errors"]:
         lines.append(f"  {e['check']} {e['module'] or ''}: {e['reason']}")
-    lines.append(f"{'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s")
+    lines.append(f"{'passed' if report['ok'] else 'FAILED'} in {report['seconds']} s (interpreter and wiring "
+                 f"{report['interpret_seconds']} s, ahead of time {report['aot_seconds']} s)")
     return "\n".join(lines)
 
 
