@@ -100,7 +100,10 @@ def matrix_type(w) -> str:
 
 
 def _kernel_types(module) -> set[str]:
-    return {t if isinstance(t, str) else type_name(int(t)) for t in module.KERNEL_TYPES}
+    """The weight types the module's kernels cover (KERNEL_TYPES: the types, or kernel -> its types)."""
+    kt = module.KERNEL_TYPES
+    types = [t for ts in kt.values() for t in ts] if isinstance(kt, dict) else list(kt)
+    return {t if isinstance(t, str) else type_name(int(t)) for t in types}
 
 
 def choice(op: str, matrix_type: str | None = None) -> tuple[str, str]:

@@ -69,6 +69,7 @@ PAGE_SIZE = 16  # tokens per KV page
 # (several at once: MIN_WINDOW); larger shapes compile in the background
 ESSENTIAL_PROMPT = 256
 ESSENTIAL_CELLS = 512
+DEVICE_BYTES_RATIO = 1.15  # the most the device layout may take over the file's tensor bytes
 
 
 class EngineError(InvalidRequest, ValueError):
@@ -525,6 +526,9 @@ def _log_weights(report: dict) -> None:
     log.info("weights: %s layout, %.1f MiB on the device for %.1f MiB in the file (%sx)", report["layout"],
              report["device_bytes"] / 2**20, (report["file_bytes"] or 0) / 2**20,
              "?" if ratio is None else f"{ratio:.3f}")
+    if report["layout"] == "device" and ratio is not None and ratio > DEVICE_BYTES_RATIO:
+        log.warning("weights: the device layout takes %.3fx the file's bytes (more than %.2fx): some matrix is "
+                    "held wider than its type", ratio, DEVICE_BYTES_RATIO)
     for op, rows in report["kernels"].items():
         if op in ("backend", "mode"):
             continue

@@ -1,8 +1,9 @@
 """The engine's GPU wiring, checked end to end on a tiny random model: `run() -> dict`.
 
 `bankml gpu-check` calls `run()` in a process with TRITON_INTERPRET=1 (tests/test_wiring.py too). It
-writes a tiny gemma3 GGUF (six layers: five with a sliding window, one global; every matrix Q4_0, Q8_0,
-Q4_1, F16 or BF16, the types mixed within and across layers), loads it twice -- the CPU path (packed, stacked,
+writes a tiny gemma3 GGUF (two sliding-window layers; every matrix Q4_0, Q8_0, Q4_1, F16 or BF16, the
+types mixed within and across layers; tests/test_wiring.py runs the twins on six layers, the global one
+included), loads it twice -- the CPU path (packed, stacked,
 `lax.scan`) and the device layout with the Triton kernels forced on (kernels/ops.py; under the
 interpreter here, compiled on a GPU) -- and generates a few greedy tokens from each with several
 sequences batched as the engine runs them: ragged prompts prefilled in two chunks (the second reads the
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 N_VOCAB = 128
-N_LAYER = 6
+N_LAYER = 6  # the tests' model: five sliding-window layers, then a global one (gemma3's pattern)
+CHECK_LAYERS = 2  # run()'s: both sliding-window; each interpreted layer costs seconds here
 PAGE = 16
 PROMPT_LENGTHS = (21, 7, 16)  # ragged: the second chunk has one real row and two padding rows
 N_DECODE = 3
@@ -31,7 +33,7 @@ LAYER_TYPES = [("Q4_0", "Q8_0", "Q4_1", "F16", "Q4_0", "Q8_0", "Q4_1"),
                ("Q8_0", "Q4_1", "Q4_0", "Q8_0", "BF16", "Q4_1", "Q4_0")]
 
 
-def write_model(path: Path, seed: int = 0) -> Path:
+def write_model(path: Path, seed: int = 0, n_layer: int = N_LAYER) -> Path:
     """A tiny gemma3 (n_embd 64, 4 heads on 2 KV heads of 16, sliding window 8) with mixed block types."""
     import gguf
 
@@ -40,7 +42,7 @@ def write_model(path: Path, seed: int = 0) -> Path:
     w = gguf.GGUFWriter(os.fspath(path), "gemma3")
     w.add_context_length(256)
     w.add_embedding_length(d)
-    w.add_block_count(N_LAYER)
+    w.add_block_count(n_layer)
     w.add_feed_forward_length(f)
     w.add_head_count(h)
     w.add_head_count_kv(hkv)
@@ -66,8 +68,10 @@ def write_model(path: Path, seed: int = 0) -> Path:
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
     matrix("token_embd.weight", N_VOCAB, d, "Q8_0", scale=1.0)
+    # an LM head of its own: tied to an embedding this loud, every step would repeat its input token
+    matrix("output.weight", N_VOCAB, d, "Q4_1", scale=1.0)
     norm("output_norm.weight", d)
-    for il in range(N_LAYER):
+    for il in range(n_layer):
         types = LAYER_TYPES[il % len(LAYER_TYPES)]
         shapes = ((h * dh, d), (hkv * dh, d), (hkv * dh, d), (d, h * dh), (f, d), (f, d), (d, f))
         names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -131,7 +135,7 @@ def run(path: str | os.PathLike | None = None) -> dict:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bankml-wiring-") as tmp:
-        path = write_model(Path(tmp) / "wiring.gguf") if path is None else Path(path)
+        path = write_model(Path(tmp) / "wiring.gguf", n_layer=CHECK_LAYERS) if path is None else Path(path)
         config, packed = load_weights(path, verified=True, layout="packed")
         _, device = load_weights(path, verified=True, layout="device")
         file_bytes = file_tensor_bytes(path)

@@ -178,10 +178,12 @@ def test_triton_decode_matches_twin(shape, window):
     _close(tk.decode_attention(*one, *_pool_args(x), **kw), twin.decode_attention(*one, *_pool_args(x), **kw))
 
 
-@pytest.mark.parametrize("shape,window,t", [(GEMMA3, 24, 12), (SMOLLM2, 0, 8), (dict(group=1, kv_heads=2,
-                                                                                    head_dim=64), 5, 8)])
+@pytest.mark.parametrize("shape,window,t", [(GEMMA3, 24, 12), (SMOLLM2, 0, 8),
+                                            (dict(group=1, kv_heads=2, head_dim=64), 5, 8),
+                                            (dict(group=1, kv_heads=1, head_dim=16), 5, 136)])
 def test_triton_prefill_matches_twin(shape, window, t):
-    # n_new: a full row, padding past a few tokens (gemma3's query blocks past it are skipped), one token, none
+    # n_new: a full row, padding past a few tokens (gemma3's query blocks past it are skipped), one token, none;
+    # at 136 tokens the last query block's window starts tiles past the first new token
     x = _inputs(shape, starts=STARTS, t=t)
     n_new = jnp.array([t, 3, 1, 0], jnp.int32)
     new = (x["q"], x["k_new"], x["v_new"])
@@ -189,6 +191,17 @@ def test_triton_prefill_matches_twin(shape, window, t):
     got = tk.prefill_attention(*new, *_pool_args(x), n_new, **kw)
     _close(got, twin.prefill_attention(*new, *_pool_args(x), n_new, **kw))
     assert not np.any(np.asarray(got)[1, 3:]) and not np.any(np.asarray(got)[3])
+
+
+def test_a_start_past_the_tables_columns_reads_only_the_listed_pages():
+    # the twins see the cells the table lists; the kernels must not read page ids past a row's columns
+    x = _inputs(SMOLLM2, starts=[70, 37], t=3, max_pages=2)
+    n_new = jnp.array([3, 3], jnp.int32)
+    one, new = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0]), (x["q"], x["k_new"], x["v_new"])
+    _close(tk.decode_attention(*one, *_pool_args(x), window=0, scale=0.125),
+           twin.decode_attention(*one, *_pool_args(x), window=0, scale=0.125))
+    _close(tk.prefill_attention(*new, *_pool_args(x), n_new, window=0, scale=0.125),
+           twin.prefill_attention(*new, *_pool_args(x), n_new, window=0, scale=0.125))
 
 
 def test_triton_decode_under_jit_serves_every_layer_from_one_program():
@@ -209,6 +222,16 @@ def test_decode_splits_fill_the_gpu_and_cover_the_table():
         assert cells % tk.DECODE_BLOCK_N == 0 and (splits - 1) * cells < max_pages * P <= splits * cells
         tiles = max_pages * P // tk.DECODE_BLOCK_N
         assert batch * kv_heads * splits >= min(tk.GPU_PROGRAMS // 2, batch * kv_heads * tiles)  # a wave of 132 SMs
+
+
+def test_shapes_the_kernels_cannot_take_are_refused():
+    x = _inputs(dict(group=1, kv_heads=3, head_dim=64), starts=[5], t=1)
+    with pytest.raises(ValueError, match="do not group"):
+        tk.decode_attention(x["q"][:, 0, :2], x["k_new"][:, 0], x["v_new"][:, 0], *_pool_args(x), window=0,
+                            scale=0.125)
+    x = _inputs(dict(group=2, kv_heads=1, head_dim=8), starts=[5], t=2)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        tk.prefill_attention(x["q"], x["k_new"], x["v_new"], *_pool_args(x), jnp.array([2]), window=0, scale=0.3)
 
 
 def test_interpret_checks_pass():
@@ -255,3 +278,41 @@ def test_aot_compiles_decode_merge_and_prefill_for_sm90_and_sm80():
     for name, arch, cubin_bytes, shared, ptx_target in compiled:
         assert cubin_bytes > 0 and ptx_target, name
         assert shared <= SHARED_BYTES[arch], (name, arch, shared)
+
+
+# --- on a GPU (marker `gpu`): the compiled kernels against the twins at serving sizes ----------------
+
+_ON_GPU = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from kernels import paged_attention as twin
+from kernels.triton import attention as tk
+from kernels.triton.call import on_gpu
+assert on_gpu(), jax.default_backend()
+errs = {}
+starts = jnp.array([0, 1, 15, 16, 17, 300, 700, 950], jnp.int32)
+n_new = jnp.array([64, 1, 30, 64, 2, 64, 10, 24], jnp.int32)
+for name, dh, h, hkv, window in tk.AOT_SHAPES:
+    x = tk.check_inputs(0, batch=8, kv_heads=hkv, group=h // hkv, head_dim=dh, t=64, n_pages=640, max_pages=64)
+    pool = (x["k_pool"], x["v_pool"], x["layer"], x["table"], starts)
+    kw = dict(window=window, scale=dh ** -0.5)
+    one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
+    new = (x["q"], x["k_new"], x["v_new"])
+    for kind, got, want in (("decode", tk.decode_attention(*one, *pool, **kw), twin.decode_attention(*one, *pool, **kw)),
+                            ("prefill", tk.prefill_attention(*new, *pool, n_new, **kw),
+                             twin.prefill_attention(*new, *pool, n_new, **kw))):
+        errs[f"{kind}_{name}"] = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+json.dump(errs, sys.stdout)
+"""
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_match_the_twins_on_a_gpu():
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        pytest.skip("needs a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # jax-triton compiles for the device
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _ON_GPU], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errs = json.loads(done.stdout)
+    assert len(errs) == 2 * len(tk.AOT_SHAPES) and max(errs.values()) <= 1e-5, errs

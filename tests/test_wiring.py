@@ -8,9 +8,11 @@ import logging
 from types import SimpleNamespace
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 from tiny_gguf import write_tiny_gguf
 
 from gateway.bankml_routes import bankml_info
@@ -18,6 +20,8 @@ from kernels import ops
 from kernels.qlayout import QWeight, qmatmul_ref, random_raw, to_qweight
 from model import wiring_check
 from model.engine import Engine
+from model.forward import forward
+from model.kvcache import init_pool
 from model.messages import GenerateRequest, SamplingParams
 from model.weights import device_bytes, file_tensor_bytes, load_weights
 
@@ -70,6 +74,26 @@ def test_device_layout_with_the_twins_gives_the_packed_tokens_and_logits(mixed):
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_device_layout_lowers_for_cuda_with_every_dot_at_highest_precision(mixed):
+    """No f32 dot may run as TF32 on Hopper: the decode step, exported for CUDA (twins), sets HIGHEST on all."""
+    config, w = load_weights(mixed, verified=True, layout="device")
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    pool = jax.tree.map(spec, init_pool(config, 8, 16))
+    i32 = jnp.int32
+    args = (jax.tree.map(spec, w), pool, jax.ShapeDtypeStruct((2, 1), i32), jax.ShapeDtypeStruct((2, 4), i32),
+            jax.ShapeDtypeStruct((2,), i32), jax.ShapeDtypeStruct((2,), i32))
+    with ops.use("jnp"):
+        step = jax.jit(lambda *a: forward(*a, config=config, window_pages=2))
+        text = export.export(step, platforms=["cuda"])(*args).mlir_module()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) >= 7 * config.n_layer  # every matmul, the attention's and the LM head's
+    loose = [line for line in dots if "precision = [HIGHEST, HIGHEST]" not in line]
+    assert not loose, loose[:2]
 
 
 def test_engine_loads_the_device_layout_and_reports_it(tmp_path):
@@ -141,6 +165,7 @@ def test_wiring_check_passes_with_the_kernels_interpreted():
     assert result["ok"] and result["device_bytes"] == result["file_bytes"]
 
 
+@pytest.mark.slow
 def test_smollm2_device_layout_gives_the_packed_logits_and_tokens(smollm2_path):
     """The real Q4_1 file (Q8_0 embedding) through the twins: same greedy tokens, logits within rounding
     (f16 K/V rounding after 30 layers amplifies the paths' f32 rounding-order differences)."""

@@ -105,7 +105,8 @@ def _decode_split(q_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, table_ptr, starts_pt
     if WINDOW > 0:
         w_lo = tl.maximum(start - WINDOW + 1, 0)  # the first cell the window reaches
     lo = tl.maximum(split * SPLIT_CELLS, (w_lo // BLOCK_N) * BLOCK_N)
-    hi = tl.minimum((split + 1) * SPLIT_CELLS, start)
+    # cells past the table's columns are not the row's (and reading their page ids would leave the table)
+    hi = tl.minimum(tl.minimum((split + 1) * SPLIT_CELLS, start), MAX_PAGES * P)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -190,13 +191,14 @@ def _prefill(q_ptr, k_new_ptr, v_new_ptr, k_pool_ptr, v_pool_ptr, layer_ptr, tab
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # the cached prefix, cells [w_lo, start): pages through the table
+    # the cached prefix, cells [w_lo, start): pages through the table (no further than its columns)
     w_lo = 0
     if WINDOW > 0:
         w_lo = tl.maximum(start + t_first - WINDOW + 1, 0)
-    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, start, BLOCK_N):
+    n_cached = tl.minimum(start, MAX_PAGES * P)
+    for n0 in range((w_lo // BLOCK_N) * BLOCK_N, n_cached, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        ok = (n >= w_lo) & (n < start)
+        ok = (n >= w_lo) & (n < n_cached)
         cell = _cell_offsets(table_ptr, b, n, ok, layer, kh, N_PAGES, HKV, P, DH, MAX_PAGES)
         kv_ok = ok[:, None] & d_ok[None, :]
         kt = tl.trans(tl.load(k_pool_ptr + cell[:, None] + d[None, :], mask=kv_ok, other=0.0))  # [BD, BN]
@@ -248,9 +250,17 @@ def decode_splits(batch: int, n_kv_head: int, max_pages: int, page: int) -> tupl
     return -(-tiles // tiles_per_split), tiles_per_split * block_n
 
 
+def _refuse_unsupported(h: int, hkv: int, dh: int) -> None:
+    if h % hkv:
+        raise ValueError(f"attention kernels: {h} query heads do not group over {hkv} kv heads")
+    if dh < 16:  # tl.dot's smallest K
+        raise ValueError(f"attention kernels: head_dim {dh} < 16")
+
+
 def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     splits, split_cells = decode_splits(b, hkv, table.shape[1], page)
     return dict(SCALE=float(scale), WINDOW=int(window), H=h, HKV=hkv, G=h // hkv, DH=dh, P=page,
                 N_PAGES=n_pages, MAX_PAGES=table.shape[1], SPLITS=splits, SPLIT_CELLS=split_cells,
@@ -260,6 +270,7 @@ def _decode_meta(q, k_pool, table, window: int, scale: float) -> dict:
 def _prefill_meta(q, k_pool, table, window: int, scale: float) -> dict:
     b, t, h, dh = q.shape
     _, n_pages, hkv, page, _ = k_pool.shape
+    _refuse_unsupported(h, hkv, dh)
     # K tiles of at most 4096 cells x dims (8 KB f16): the two loops' pipelined K, V and Q tiles then
     # fit an A100's 163 KB of shared memory at 3 stages (gemma3's Dh 256: 100 KB, 64/128: 82/106 KB)
     block_d = _pow2(dh)

@@ -6,20 +6,23 @@ Two kernels, each generic over the ten block types through one `QTYPE: tl.conste
   walks its share of K. Up to 4 rows it multiplies and `tl.sum`s (a dot would pad M to 16); from 5 to
   16 rows it `tl.dot`s a 16-row tile. A matrix with few output columns (gemma3's K/V projections, N=256)
   is split along K too, so that the grid has at least two programs per SM (132 on an H100/H200); the
-  partial sums land in out [split, M, N] and are added by XLA, so the result does not depend on order.
+  partial sums land in out [split, M, N] and XLA adds them: the same result every run (no atomics).
 - `qgemm_kernel` for prefill, M up to 2048: BLOCK_M x BLOCK_N tiles, the dequantized [BLOCK_K, BLOCK_N]
   tile `tl.dot`ed into an f32 accumulator.
 
-`_dequant_tile` gives the f32 values of columns k, rows n of the weight (w.T's [BLOCK_K, BLOCK_N] tile)
-for any broadcastable n and k: every element finds its own byte in each plane with integer ops, as
-research/kernels.md §1 lays the formulas out. A byte that two elements share (the two nibbles of a qs
-byte, a block's scale) is loaded by both; on a GPU the second load is a cache hit. The values are the
-twin's bit for bit (every product of an f16 field with the small integers is exact in f32), so kernel
-and twin differ only by the order of the dot's additions -- and by the dot's input precision on a GPU:
-"tf32x3" keeps f32 accuracy on NVIDIA's tensor cores where plain "tf32" would round the inputs to 10
-bits (DOT_PRECISION).
+`_dequant_tile` gives the f32 tile of w.T [BLOCK_K, BLOCK_N] at columns k0.. and rows n0.. from the
+planes, with integer ops only, as research/kernels.md §1 lays the formulas out:
+- the quant bytes (qs, ql, qh, hmask) per element, their indices written as `(k // a) * b + k % c`, a
+  form Triton's pointer analysis sees as runs of c contiguous bytes: a thread's 16 consecutive k load
+  their bytes in one 16-byte access (ld.global.v4.b32 in the sm_90 PTX) instead of 16 byte loads;
+- the per-group fields (d, m, dmin, sc, mn, Q5_0's qh) once per group, broadcast over its columns
+  (`_group`); loaded per element they cost a load instruction per element.
+The values are the twin's bit for bit (every product of an f16 field with the small integers is exact
+in f32), so kernel and twin differ only by the order of the dot's additions -- and by the dot's input
+precision on a GPU: "tf32x3" keeps f32 accuracy on NVIDIA's tensor cores where plain "tf32" would
+round the inputs to 10 bits (DOT_PRECISION).
 
-Plane pointers: each type's planes in PLANES order, padded with a dummy byte array up to six.
+Plane pointers: each type's planes in kernels.qlayout.PLANES order, then a dummy byte array up to six.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ KERNEL_TYPES: dict[str, tuple[str, ...]] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Dequantization in registers: one helper per type, (n rows, k columns) -> f32 values
+# Dequantization in registers: one helper per type, the [BLOCK_K, BLOCK_N] tile of w.T at k0
 # ---------------------------------------------------------------------------------------------
+# Every helper takes the rows n (int64 [1, BN]) and their mask n_ok, the columns k = k0 + arange
+# ([BK, 1]), and mask = n_ok & (k < K).
 
 
 @triton.jit
@@ -61,142 +66,156 @@ def _u8(plane, n, per_row, col, mask):
 
 
 @triton.jit
-def _f32(plane, n, per_row, col, mask):
-    """Element `col` of row n of an f16 or i8 plane, as f32 (exact)."""
-    return tl.load(plane + n * per_row + col, mask=mask, other=0).to(tl.float32)
+def _group(plane, n, n_ok, k0, G: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """plane[n, k // G] for the tile's columns k, one load per group of G columns, as it is stored
+    (u8, i8 or f16): [BLOCK_K, BN] broadcast from [BLOCK_K / G, BN], or [1, BN] where one group spans the
+    tile. Loading per element instead costs a load instruction per element (16 a thread where this
+    is one in the sm_90 PTX)."""
+    if BLOCK_K > G:
+        g = k0 // G + tl.arange(0, BLOCK_K // G)[:, None]
+        v = tl.load(plane + n * (K // G) + g, mask=n_ok & (g < K // G), other=0)  # [BK / G, BN]
+        v = tl.reshape(tl.broadcast_to(v[:, None, :], (BLOCK_K // G, G, v.shape[1])), (BLOCK_K, v.shape[1]))
+    else:  # a 1-D load: in the tile's 2-D layout a [1, BN] load is repeated in every thread's k
+        rows = tl.reshape(n, (n.shape[1],))
+        v = tl.load(plane + rows * (K // G) + k0 // G, mask=tl.reshape(n_ok, (n.shape[1],)) & (k0 < K), other=0)
+        v = v[None, :]  # [1, BN]
+    return v
+
+
+@triton.jit
+def _f32(a):
+    return a.to(tl.float32)
 
 
 @triton.jit
 def _nib32(qs, n, k, K: tl.constexpr, mask):
     """The 4-bit code of element k in a 32-block type: low nibble of the block's byte k % 16 for the
     first 16 elements, high nibble for the last 16."""
-    i = k % 32
-    return (_u8(qs, n, K // 2, (k // 32) * 16 + i % 16, mask) >> ((i // 16) * 4)) & 15
+    return (_u8(qs, n, K // 2, (k // 32) * 16 + k % 16, mask) >> (((k // 16) % 2) * 4)) & 15
 
 
 @triton.jit
-def _q5_32(qs, qh, n, k, K: tl.constexpr, mask):
+def _q5_32(qs, qh, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
     """Q5_0/Q5_1's 5-bit code: the nibble | bit k % 32 of the block's little-endian u32 qh, << 4."""
-    hi = (_u8(qh, n, K // 8, k // 8, mask) >> (k % 8)) & 1
+    hi = (_group(qh, n, n_ok, k0, 8, K, BLOCK_K).to(tl.int32) >> (k % 8)) & 1
     return _nib32(qs, n, k, K, mask) | (hi << 4)
 
 
 @triton.jit
-def _q4_0(qs, d, n, k, K: tl.constexpr, mask):
-    return _f32(d, n, K // 32, k // 32, mask) * (_nib32(qs, n, k, K, mask) - 8).to(tl.float32)
+def _q4_0(qs, d, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    return _f32(_group(d, n, n_ok, k0, 32, K, BLOCK_K)) * _f32(_nib32(qs, n, k, K, mask) - 8)
 
 
 @triton.jit
-def _q4_1(qs, d, m, n, k, K: tl.constexpr, mask):
-    q = _nib32(qs, n, k, K, mask).to(tl.float32)
-    return _f32(d, n, K // 32, k // 32, mask) * q + _f32(m, n, K // 32, k // 32, mask)
+def _q4_1(qs, d, m, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    q = _f32(_nib32(qs, n, k, K, mask))
+    return _f32(_group(d, n, n_ok, k0, 32, K, BLOCK_K)) * q + _f32(_group(m, n, n_ok, k0, 32, K, BLOCK_K))
 
 
 @triton.jit
-def _q5_0(qs, qh, d, n, k, K: tl.constexpr, mask):
-    return _f32(d, n, K // 32, k // 32, mask) * (_q5_32(qs, qh, n, k, K, mask) - 16).to(tl.float32)
+def _q5_0(qs, qh, d, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    q = _q5_32(qs, qh, n, n_ok, k, k0, K, BLOCK_K, mask) - 16
+    return _f32(_group(d, n, n_ok, k0, 32, K, BLOCK_K)) * _f32(q)
 
 
 @triton.jit
-def _q5_1(qs, qh, d, m, n, k, K: tl.constexpr, mask):
-    q = _q5_32(qs, qh, n, k, K, mask).to(tl.float32)
-    return _f32(d, n, K // 32, k // 32, mask) * q + _f32(m, n, K // 32, k // 32, mask)
+def _q5_1(qs, qh, d, m, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    q = _f32(_q5_32(qs, qh, n, n_ok, k, k0, K, BLOCK_K, mask))
+    return _f32(_group(d, n, n_ok, k0, 32, K, BLOCK_K)) * q + _f32(_group(m, n, n_ok, k0, 32, K, BLOCK_K))
 
 
 @triton.jit
-def _q8_0(qs, d, n, k, K: tl.constexpr, mask):
-    return _f32(qs, n, K, k, mask) * _f32(d, n, K // 32, k // 32, mask)
+def _q8_0(qs, d, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    q = _f32(tl.load(qs + n * K + k, mask=mask, other=0))
+    return q * _f32(_group(d, n, n_ok, k0, 32, K, BLOCK_K))
 
 
 @triton.jit
 def _q2(qs, n, k, K: tl.constexpr, mask):
-    """Q2_K/Q3_K's 2-bit code: element 128h + 32s + l of a super-block is (qs[32h + l] >> 2s) & 3."""
-    j = k % 256
-    byte = _u8(qs, n, K // 4, (k // 256) * 64 + (j // 128) * 32 + j % 32, mask)
-    return (byte >> (((j % 128) // 32) * 2)) & 3
+    """Q2_K/Q3_K's 2-bit code: element 128h + 32s + l of a super-block is (qs[32h + l] >> 2s) & 3, so
+    element k's byte is 32 (k // 128) + k % 32 of the row."""
+    return (_u8(qs, n, K // 4, (k // 128) * 32 + k % 32, mask) >> (((k // 32) % 4) * 2)) & 3
 
 
 @triton.jit
-def _q2_k(qs, sc, d, dmin, n, k, K: tl.constexpr, mask):
-    s = _u8(sc, n, K // 16, k // 16, mask)  # low nibble scale, high nibble min, per 16 elements
-    dl = _f32(d, n, K // 256, k // 256, mask) * (s & 15).to(tl.float32)
-    ml = _f32(dmin, n, K // 256, k // 256, mask) * (s >> 4).to(tl.float32)
-    return dl * _q2(qs, n, k, K, mask).to(tl.float32) - ml
+def _q2_k(qs, sc, d, dmin, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    s = _group(sc, n, n_ok, k0, 16, K, BLOCK_K).to(tl.int32)  # low nibble scale, high nibble min
+    dl = _f32(_group(d, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(s & 15)
+    ml = _f32(_group(dmin, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(s >> 4)
+    return dl * _f32(_q2(qs, n, k, K, mask)) - ml
 
 
 @triton.jit
-def _q3_k(hmask, qs, sc, d, n, k, K: tl.constexpr, mask):
-    j = k % 256
-    h = (_u8(hmask, n, K // 8, (k // 256) * 32 + j % 32, mask) >> (j // 32)) & 1
+def _q3_k(hmask, qs, sc, d, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    h = (_u8(hmask, n, K // 8, (k // 256) * 32 + k % 32, mask) >> ((k // 32) % 8)) & 1
     q = _q2(qs, n, k, K, mask) - ((h ^ 1) << 2)  # a clear hmask bit subtracts 4
-    dl = _f32(d, n, K // 256, k // 256, mask) * _f32(sc, n, K // 16, k // 16, mask)
-    return dl * q.to(tl.float32)
+    dl = _f32(_group(d, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(_group(sc, n, n_ok, k0, 16, K, BLOCK_K))
+    return dl * _f32(q)
 
 
 @triton.jit
 def _q4(qs, n, k, K: tl.constexpr, mask):
     """Q4_K/Q5_K's 4-bit code: sub-block j = (k % 256) // 32 is the low (j even) or high nibbles of
-    qs[32(j // 2) + l] of its super-block."""
-    j = k % 256
-    byte = _u8(qs, n, K // 2, (k // 256) * 128 + (j // 64) * 32 + j % 32, mask)
-    return (byte >> (((j // 32) % 2) * 4)) & 15
+    qs[32(j // 2) + l] of its super-block, so element k's byte is 32 (k // 64) + k % 32 of the row."""
+    return (_u8(qs, n, K // 2, (k // 64) * 32 + k % 32, mask) >> (((k // 32) % 2) * 4)) & 15
 
 
 @triton.jit
-def _k_affine(q, sc, mn, d, dmin, n, k, K: tl.constexpr, mask):
-    dl = _f32(d, n, K // 256, k // 256, mask) * _u8(sc, n, K // 32, k // 32, mask).to(tl.float32)
-    ml = _f32(dmin, n, K // 256, k // 256, mask) * _u8(mn, n, K // 32, k // 32, mask).to(tl.float32)
-    return dl * q.to(tl.float32) - ml
+def _k_affine(q, sc, mn, d, dmin, n, n_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    dl = _f32(_group(d, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(_group(sc, n, n_ok, k0, 32, K, BLOCK_K))
+    ml = _f32(_group(dmin, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(_group(mn, n, n_ok, k0, 32, K, BLOCK_K))
+    return dl * _f32(q) - ml
 
 
 @triton.jit
-def _q4_k(qs, sc, mn, d, dmin, n, k, K: tl.constexpr, mask):
-    return _k_affine(_q4(qs, n, k, K, mask), sc, mn, d, dmin, n, k, K, mask)
+def _q4_k(qs, sc, mn, d, dmin, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    return _k_affine(_q4(qs, n, k, K, mask), sc, mn, d, dmin, n, n_ok, k0, K, BLOCK_K)
 
 
 @triton.jit
-def _q5_k(qs, qh, sc, mn, d, dmin, n, k, K: tl.constexpr, mask):
-    j = k % 256
-    hi = (_u8(qh, n, K // 8, (k // 256) * 32 + j % 32, mask) >> (j // 32)) & 1
-    return _k_affine(_q4(qs, n, k, K, mask) | (hi << 4), sc, mn, d, dmin, n, k, K, mask)
+def _q5_k(qs, qh, sc, mn, d, dmin, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    hi = (_u8(qh, n, K // 8, (k // 256) * 32 + k % 32, mask) >> ((k // 32) % 8)) & 1
+    return _k_affine(_q4(qs, n, k, K, mask) | (hi << 4), sc, mn, d, dmin, n, n_ok, k0, K, BLOCK_K)
 
 
 @triton.jit
-def _q6_k(ql, qh, sc, d, n, k, K: tl.constexpr, mask):
-    # element 128h + 32t + i: nibble t // 2 of ql[64h + 32(t % 2) + i], 2-bit field t of qh[32h + i]
-    j = k % 256
-    h, t, i = j // 128, (j % 128) // 32, j % 32
-    lo = (_u8(ql, n, K // 2, (k // 256) * 128 + h * 64 + (t % 2) * 32 + i, mask) >> ((t // 2) * 4)) & 15
-    hi = (_u8(qh, n, K // 4, (k // 256) * 64 + h * 32 + i, mask) >> (t * 2)) & 3
-    dl = _f32(d, n, K // 256, k // 256, mask) * _f32(sc, n, K // 16, k // 16, mask)
-    return dl * ((lo | (hi << 4)) - 32).to(tl.float32)
+def _q6_k(ql, qh, sc, d, n, n_ok, k, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, mask):
+    # element 128h + 32t + i of a super-block: nibble t // 2 of ql[64h + 32(t % 2) + i], 2-bit field t
+    # of qh[32h + i]; over the row, h and the super-block fold into k // 128
+    lo = _u8(ql, n, K // 2, (k // 128) * 64 + ((k // 32) % 2) * 32 + k % 32, mask) >> (((k // 64) % 2) * 4)
+    hi = _u8(qh, n, K // 4, (k // 128) * 32 + k % 32, mask) >> (((k // 32) % 4) * 2)
+    dl = _f32(_group(d, n, n_ok, k0, 256, K, BLOCK_K)) * _f32(_group(sc, n, n_ok, k0, 16, K, BLOCK_K))
+    return dl * _f32(((lo & 15) | ((hi & 3) << 4)) - 32)
 
 
 @triton.jit
-def _dequant_tile(QTYPE: tl.constexpr, p0, p1, p2, p3, p4, p5, n, k, K: tl.constexpr, mask):
-    """f32 weights at rows n (int64) and columns k of any broadcastable shapes; 0 where ~mask."""
+def _dequant_tile(QTYPE: tl.constexpr, p0, p1, p2, p3, p4, p5, n, n_ok, k0,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """f32 w.T [BLOCK_K, BN] at rows n (int64 [1, BN]) and columns k0 .. k0 + BLOCK_K; 0 where masked."""
+    k = k0 + tl.arange(0, BLOCK_K)[:, None]  # [BK, 1]
+    mask = n_ok & (k < K)
     if QTYPE == 2:
-        w = _q4_0(p0, p1, n, k, K, mask)
+        w = _q4_0(p0, p1, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 3:
-        w = _q4_1(p0, p1, p2, n, k, K, mask)
+        w = _q4_1(p0, p1, p2, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 6:
-        w = _q5_0(p0, p1, p2, n, k, K, mask)
+        w = _q5_0(p0, p1, p2, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 7:
-        w = _q5_1(p0, p1, p2, p3, n, k, K, mask)
+        w = _q5_1(p0, p1, p2, p3, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 8:
-        w = _q8_0(p0, p1, n, k, K, mask)
+        w = _q8_0(p0, p1, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 10:
-        w = _q2_k(p0, p1, p2, p3, n, k, K, mask)
+        w = _q2_k(p0, p1, p2, p3, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 11:
-        w = _q3_k(p0, p1, p2, p3, n, k, K, mask)
+        w = _q3_k(p0, p1, p2, p3, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 12:
-        w = _q4_k(p0, p1, p2, p3, p4, n, k, K, mask)
+        w = _q4_k(p0, p1, p2, p3, p4, n, n_ok, k, k0, K, BLOCK_K, mask)
     elif QTYPE == 13:
-        w = _q5_k(p0, p1, p2, p3, p4, p5, n, k, K, mask)
+        w = _q5_k(p0, p1, p2, p3, p4, p5, n, n_ok, k, k0, K, BLOCK_K, mask)
     else:
         tl.static_assert(QTYPE == 14, "unknown ggml type")
-        w = _q6_k(p0, p1, p2, p3, n, k, K, mask)
-    return w
+        w = _q6_k(p0, p1, p2, p3, n, n_ok, k, k0, K, BLOCK_K, mask)
+    return tl.broadcast_to(w, (BLOCK_K, n.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +238,10 @@ def qgemv_kernel(x_ptr, p0, p1, p2, p3, p4, p5, out_ptr,
     m_ok = rm[:, None] < M  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K_SPLIT, BLOCK_K):
-        rk = split * K_SPLIT + k0 + tl.arange(0, BLOCK_K)
+        kk = split * K_SPLIT + k0
+        rk = kk + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        w = _dequant_tile(QTYPE, p0, p1, p2, p3, p4, p5, n, rk[:, None], K,
-                          n_ok & k_ok[:, None])  # [BK, BN]
+        w = _dequant_tile(QTYPE, p0, p1, p2, p3, p4, p5, n, n_ok, kk, K, BLOCK_K)  # [BK, BN]
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=m_ok & k_ok[None, :], other=0.0)  # [BM, BK]
         if USE_DOT:
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -251,8 +270,7 @@ def qgemm_kernel(x_ptr, p0, p1, p2, p3, p4, p5, out_ptr,
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
-        w = _dequant_tile(QTYPE, p0, p1, p2, p3, p4, p5, n, rk[:, None], K,
-                          n_ok & k_ok[:, None])  # [BK, BN]
+        w = _dequant_tile(QTYPE, p0, p1, p2, p3, p4, p5, n, n_ok, k0, K, BLOCK_K)  # [BK, BN]
         x = tl.load(x_row + rk[None, :], mask=m_ok & k_ok[None, :], other=0.0)  # [BM, BK]
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=m_ok & n_ok)
@@ -366,7 +384,7 @@ def variant(ggml_type: int, M: int, N: int, K: int, backend: str = "cuda") -> Ao
 
 def aot_variants(backend: str = "cuda") -> list[AotVariant]:
     """Every kernel x type at a 4096 x 4096 weight: decode (M = 1 sum form, 8 and 16 through tl.dot) and a
-    128-token prefill tile, 40 in all. All 40 compile for sm_90 and sm_80 (63 s on this 2-core box);
+    128-token prefill tile, 40 in all. All 40 compile for sm_90 and sm_80 (83 s on this 2-core box);
     with backend="hip" they compile for gfx942."""
     return [variant(t, M, 4096, 4096, backend) for t in QUANT_TYPES for M in (1, 8, 16, 128)]
 
