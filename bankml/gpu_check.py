@@ -9,8 +9,9 @@ Three checks, in child processes, because Triton reads TRITON_INTERPRET once, wh
    (a cubin must come out) and, as information only, for AMD's gfx942 (an hsaco); the variants are
    shared out over `jobs` processes, which run beside the interpreter's.
 Each child prints one JSON object on stdout (what the checks themselves print goes to stderr); the parent
-merges them into one row per kernel (name, types). A module that is missing or raises, or a child that
-dies or overruns, is a failed check with its reason, never a traceback.
+merges them into one row per kernel and types, joining a module's checks and variants by name (`_rows`).
+A module that is missing or raises, or a child that dies or overruns, is a failed check with its reason,
+never a traceback.
 
 Both children run JAX on the CPU (JAX_PLATFORMS=cpu): the checks read the same on a GPU machine and
 take none of its memory.
