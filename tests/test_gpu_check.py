@@ -266,3 +266,19 @@ def test_the_shipped_kernels_and_wiring():
         assert 0 <= k["max_rel_err"] <= k["tolerance"] and k["variants"] and k["checks"]
     assert report["wiring"]["ok"] is True
     assert report["seconds"] < 180
+
+
+def test_help_lists_the_command_and_its_flags():
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "bankml.cli", *args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    top = cli("--help")
+    assert top.returncode == 0 and "bankml gpu-check [--json]" in top.stdout
+    r = cli("gpu-check", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: bankml gpu-check ")
+    for flag in ("--json", "--kernel-module M", "--wiring-module M", "--jobs N", "--timeout S",
+                 "exit codes: 0 every check passed, 1 a check failed, 2 triton is not installed"):
+        assert flag in r.stdout
+    bad = cli("gpu-check", "--jobs", "0")
+    assert bad.returncode == 1 and "'0' is not a positive integer" in bad.stderr
