@@ -263,7 +263,7 @@ def _row(module: str, name: str, types: tuple[str, ...], checks: list[dict], var
                     f"{c['tolerance']:.3g}" for c in checks if not _passed(c)]
     return {"name": name, "types": list(types), "module": module, "targets": targets, "max_rel_err": err,
             "tolerance": tolerance, "ok": not reasons, **({"reasons": reasons} if reasons else {}),
-            "variants": list(dict.fromkeys(v["name"] for v in variants)),
+            "variants": list(dict.fromkeys(v["name"] for v in variants)), "compiled": len(variants),
             "checks": [{k: c[k] for k in ("name", "shape", "max_rel_err", "tolerance")}
                        | {"ok": _passed(c)} for c in checks]}
 
@@ -346,12 +346,12 @@ def table(report: dict) -> str:
         lines.append(f"{k['name']:{wide}} {','.join(k['types']):14} "
                      + " ".join(f"{'ok' if k['targets'][t] == 'ok' else 'FAIL':7}" for t in TARGETS)
                      + f" {err:>11} {tol:>9}  {'ok' if k['ok'] else 'FAIL':4}"
-                     + f"  ({len(k['variants'])} compiled, {len(k['checks'])} checked)")
+                     + f"  ({k['compiled']} compiled, {len(k['checks'])} checked)")
     if not report["kernels"]:
         lines.append("(no kernels reported)")
     w = report["wiring"]
-    told = [f"{k}={v}" for k, v in w.items() if k not in ("module", "ok", "seconds", "reason")
-            and isinstance(v, bool | int | float | str)]
+    told = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in w.items()
+            if k not in ("module", "ok", "seconds", "reason") and isinstance(v, bool | int | float | str)]
     lines.append(f"wiring ({w.get('module')}): {'ok' if w.get('ok') is True else 'FAIL'}"
                  + (f" -- {w['reason']}" if w.get("reason") else f" {' '.join(told)}" if told else ""))
     for k in report["kernels"]:

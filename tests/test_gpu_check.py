@@ -139,7 +139,7 @@ def test_a_kernel_that_passes_all_three_checks(fakes):
     assert report["ok"] is True and report["triton"] == triton.__version__ and report["errors"] == []
     (row,) = report["kernels"]  # scale_block64, scale_block128 and scale_n100 are one kernel, "scale"
     assert row["name"] == "scale" and row["types"] == ["f32"] and row["module"] == "fake_good"
-    assert row["variants"] == ["scale_block64", "scale_block128"]
+    assert row["variants"] == ["scale_block64", "scale_block128"] and row["compiled"] == 2
     assert row["checks"] == [{"name": "scale_n100", "shape": "n=100", "max_rel_err": 0.0, "tolerance": 1e-6,
                               "ok": True}]
     assert row["targets"] == {"sm_90": "ok", "sm_80": "ok", "gfx942": "ok"}
@@ -181,14 +181,16 @@ def test_a_kernel_is_the_words_its_check_and_variant_names_share():
     checks = [entry("attn_decode_g4"), entry("attn_prefill_g4"), entry("attn_decode_g3"), entry("rope")]
     variants = [entry(f"attn_{k}_{m}_g4") for m in ("gemma3_d256", "llama3_d128")
                 for k in ("decode_split", "decode_merge", "prefill")]
-    variants += [entry("attn_decode_split_q8", types=("q8_0",)), entry("attn_decode_g4", module="other")]
+    variants += [entry("attn_prefill_gemma3_d256_g4"),  # a second shape under the same name
+                 entry("attn_decode_split_q8", types=("q8_0",)), entry("attn_decode_g4", module="other")]
     rows = {(r["module"], r["name"], *r["types"]): r for r in gpu_check_module._rows(checks, variants)}
     assert sorted(rows) == [("m", "attn_decode", "f16"), ("m", "attn_decode_split_q8", "q8_0"),
                             ("m", "attn_prefill", "f16"), ("m", "rope", "f16"),
                             ("other", "attn_decode_g4", "f16")]
     decode = rows["m", "attn_decode", "f16"]
-    assert decode["ok"] and len(decode["variants"]) == 4 and len(decode["checks"]) == 2
-    assert rows["m", "attn_prefill", "f16"]["ok"]
+    assert decode["ok"] and decode["compiled"] == 4 and len(decode["checks"]) == 2
+    prefill = rows["m", "attn_prefill", "f16"]
+    assert prefill["ok"] and prefill["compiled"] == 3 and len(prefill["variants"]) == 2
     assert rows["m", "rope", "f16"]["reasons"] == ["sm_90: no AotVariant", "sm_80: no AotVariant"]
     for lonely in (rows["m", "attn_decode_split_q8", "q8_0"], rows["other", "attn_decode_g4", "f16"]):
         assert lonely["reasons"] == ["no interpreter check against its twin"]
