@@ -13,11 +13,12 @@ Weights in device layout (model/weights.py: a tuple of per-layer `Layer`s, matri
 16-bit arrays) take the same steps with the layers unrolled: a Python loop, each layer's types and
 sliding window static, every matmul through `kernels.ops.qmatmul` and attention through
 `kernels.ops.decode_attention` (T == 1) or `prefill_attention`, which read the pool's pages themselves
-(the layer index goes in as an int32 array). kernels/ops.py picks the Triton kernel or its jnp twin. The
-float
-rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in f32 with
-exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default, as
-llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
+(the layer index goes in as an int32 array). kernels/ops.py picks the Triton kernel or its jnp twin.
+Dense f32 dots are at HIGHEST precision, so XLA:GPU never runs them as TF32.
+
+The float rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in
+f32 with exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default,
+as llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
 tests/test_golden.py, bench/rounding.py).
 """
 

@@ -1,5 +1,5 @@
 """The device layout (quantized blocks kept as they are, layers unrolled, ops through kernels/ops.py)
-gives what the packed CPU path gives: on tiny random models, on the real SmolLM2, and, with the Triton
+gives what the packed CPU path gives: on tiny random models, on the real SmolLM2 and gemma3, and, with the Triton
 kernels forced on (interpreted here), in `model.wiring_check.run()` as `bankml gpu-check` runs it."""
 
 from __future__ import annotations
@@ -166,15 +166,18 @@ def test_wiring_check_passes_with_the_kernels_interpreted():
 
 
 @pytest.mark.slow
-def test_smollm2_device_layout_gives_the_packed_logits_and_tokens(smollm2_path):
-    """The real Q4_1 file (Q8_0 embedding) through the twins: same greedy tokens, logits within rounding
-    (f16 K/V rounding after 30 layers amplifies the paths' f32 rounding-order differences)."""
-    prompt = [1, 504, 3458, 282, 4649, 314]  # "The capital of France is"-like ids
+@pytest.mark.parametrize("model", ["smollm2_path", "gemma3_path"])
+def test_real_model_in_device_layout_gives_the_packed_logits_and_tokens(request, model):
+    """SmolLM2 (Q4_1, a Q8_0 embedding) and gemma3 Q4_K_M (layers mixing Q4_K/Q6_K and Q5_0/Q8_0) through
+    the twins: the same greedy tokens, logits within rounding (f16 K/V rounding after every layer
+    amplifies the paths' f32 rounding-order differences), device bytes within 1.15x of the file's."""
+    path = request.getfixturevalue(model)
     results = {}
     for layout in ("packed", "device"):
-        engine = Engine.load(smollm2_path, verified=True, n_ctx=64, max_seqs=1, warmup=False, layout=layout)
+        engine = Engine.load(path, verified=True, n_ctx=64, max_seqs=1, warmup=False, layout=layout)
+        prompt = engine.tokenizer.encode("The capital of France is", True, False)
         seq, logits = list(prompt), None
-        for _ in range(4):  # greedy by full forward: one compiled program (the 16-token bucket) per layout
+        for _ in range(3):  # greedy by full forward: one compiled program (the 16-token bucket) per layout
             step = engine.logits(seq)
             logits = step if logits is None else logits
             seq.append(int(np.argmax(step[-1])))
