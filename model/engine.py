@@ -130,6 +130,9 @@ class Engine:
         self.compile_s = 0.0
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
         self.lazy_compile = False
+        # the sampler without data-dependent branches: on a GPU each `lax.cond` is a device->host sync,
+        # on a CPU skipping the sorts no row needs is worth it
+        self.branchless = jax.default_backend() != "cpu"
 
     # --- construction -------------------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class Engine:
         sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         vec = jax.ShapeDtypeStruct((t,), i32)
-        return select.lower(logits, sa, sp.history, vec, vec, vec, logits)
+        return select.lower(logits, sa, sp.history, vec, vec, vec, logits, branchless=self.branchless)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""

@@ -36,19 +36,20 @@ class Sampled:
     top_logprobs: jax.Array  # [B, N_PROBS_MAX] f32
 
 
-@partial(jax.jit, donate_argnames=("history",))
+@partial(jax.jit, static_argnames=("branchless",), donate_argnames=("history",))
 def select(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Array, lengths: jax.Array,
-           steps: jax.Array, bias: jax.Array) -> tuple[Sampled, jax.Array]:
+           steps: jax.Array, bias: jax.Array, *, branchless: bool = False) -> tuple[Sampled, jax.Array]:
     """Sample the next token of slots `rows` [R] from their logits [R, V] through llama-server's
     chain, report logprobs, and append the tokens to the slots' rows of `history` [B_slots, n_ctx]
     (at `lengths` [R], the tokens each row holds: the penalties' window). `ca` holds R rows; bias
     [R, V]: DRY's host-computed penalties (zeros for rows without DRY, so one program serves both).
 
     Compiled apart from the forward programs: one sampler program per batch size serves every
-    window bucket, which halves start-up compilation.
+    window bucket, which halves start-up compilation. branchless (static; a GPU): no `lax.cond`, so
+    the step never waits on the host to choose a branch (model/sampler_chain.py).
     """
-    tokens = sample_chain(logits, ca, history[rows], lengths, steps, bias)
-    lp, top_ids, top_lp = logprobs(logits, tokens, ca)
+    tokens = sample_chain(logits, ca, history[rows], lengths, steps, bias, branchless)
+    lp, top_ids, top_lp = logprobs(logits, tokens, ca, branchless)
     history = history.at[rows, lengths].set(tokens, mode="drop")
     return Sampled(tokens, lp, top_ids, top_lp), history
 
