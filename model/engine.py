@@ -54,6 +54,7 @@ from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
+from model.steps import decode as decode_step
 from model.steps import put_row, run, select
 from model.weights import Weights, load_weights
 
@@ -126,7 +127,6 @@ class Engine:
         self._stop_background = threading.Event()
         self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
-        self._no_bias: dict[int, jax.Array] = {}  # DRY's zero bias, by batch size
         self.compile_s = 0.0
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
         self.lazy_compile = False
@@ -201,7 +201,7 @@ class Engine:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows), "row" (a prompt into the token history). Safe from any thread: a program another
+        t rows, `window` of them with DRY), "row" (a prompt into the token history). Safe from any thread: a program another
         thread is compiling is waited for, never compiled twice.
         """
         key = (kind, t, window)
@@ -238,17 +238,23 @@ class Engine:
         the engine thread donates and replaces while a background compile runs. For "prefill" t is
         the chunk's bucket, for "decode" and "select" the batch's; `window` is in pages."""
         sp, i32 = self._specs, jnp.int32
-        if kind in ("prefill", "decode"):
-            b, n = (1, t) if kind == "prefill" else (t, 1)
-            args = (jax.ShapeDtypeStruct((b, n), i32), jax.ShapeDtypeStruct((b, self.max_pages), i32),
-                    jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32))
+        if kind == "prefill":
+            args = (jax.ShapeDtypeStruct((1, t), i32), jax.ShapeDtypeStruct((1, self.max_pages), i32),
+                    jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((1,), i32))
             return run.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
+        if kind == "decode":
+            vec = jax.ShapeDtypeStruct((t,), i32)
+            args = (sp.history, vec, jax.ShapeDtypeStruct((t, self.max_pages), i32), vec, vec)
+            return decode_step.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
         if kind == "row":
             return put_row.lower(sp.history, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.n_ctx,), i32))
+        # "select": `window` is the DRY rows' bucket (0: no row uses DRY)
         sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         vec = jax.ShapeDtypeStruct((t,), i32)
-        return select.lower(logits, sa, sp.history, vec, vec, vec, logits, branchless=self.branchless)
+        dry = (jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32),
+               jax.ShapeDtypeStruct((window,), i32)) if window else (None, None)
+        return select.lower(logits, sa, sp.history, vec, vec, vec, *dry, branchless=self.branchless)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""
@@ -257,8 +263,12 @@ class Engine:
             keys += [("prefill", t, self._window_pages(w, self._prefill_windows)) for t in self._continue_buckets()]
         for b in self._batches:
             keys += [("decode", b, self._window_pages(w, self._decode_windows)) for w in self._decode_windows]
-        keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
+        keys += [("row", 0, 0)] + [("select", b, d) for b in self._batches for d in self._dry_buckets(b)]
         return keys
+
+    def _dry_buckets(self, b: int) -> list[int]:
+        """The DRY-row counts a select of b rows is compiled for: 0 (none), then the batch buckets."""
+        return [0, *(d for d in self._batches if d <= b)]
 
     def essential_keys(self) -> list[tuple[str, int, int]]:
         """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
@@ -430,13 +440,16 @@ class Engine:
         return logits
 
     def decode(self, seqs: list[SchedSequence]) -> jax.Array:
+        """One step for `seqs`, each at `n_computed`; its input token is read on the device, from
+        the history row its last select (or its prompt) wrote, never from the host's `next_token`."""
         b = next(x for x in self._batches if x >= len(seqs))
-        tokens, starts, n_new = (np.zeros(b, np.int32) for _ in range(3))
+        slots = np.full(b, self.max_seqs, np.int32)  # padding rows read the spare row, write nothing
+        starts, n_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
-            tokens[i], starts[i], n_new[i] = seq.next_token, seq.n_computed, 1
+            slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1
         window = self._window_pages(int(starts.max()), self._decode_windows)
         self.pool, logits = self._program("decode", b, window)(
-            self.weights, self.pool, tokens[:, None], self._table(seqs, b), starts, n_new)
+            self.weights, self.pool, self._history, slots, self._table(seqs, b), starts, n_new)
         return logits
 
     def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> list[tuple[int, float | None, list]]:
@@ -447,8 +460,9 @@ class Engine:
         lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
             rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens), seq.completion.n_generated
-        out, self._history = self._program("select", b, 0)(logits, sa, self._history, rows, lengths, steps,
-                                                           self._dry_bias(seqs, b))
+        dry = self._dry_bias(seqs, b)
+        program = self._program("select", b, 0 if dry is None else dry[1].shape[0])
+        out, self._history = program(logits, sa, self._history, rows, lengths, steps, *(dry or (None, None)))
         out = jax.device_get(out)
         result = []
         for i, seq in enumerate(seqs):
@@ -458,24 +472,24 @@ class Engine:
             result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
         return result
 
-    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray | jax.Array:
-        """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere (without
-        DRY, one device array of zeros per batch size, so a step sends nothing)."""
+    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """DRY's penalties for the sequences that ask for it: ([D, V] f32, their rows [D] int32), D the
+        smallest bucket holding them, padded with zero rows aimed past the batch (`rows`), which the
+        device drops; None when no sequence uses DRY (nothing to send)."""
         def wants(p: SamplingParams) -> bool:
             return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
 
         dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if wants(s.request.params)]
         if not dry:
-            zeros = self._no_bias.get(rows)
-            if zeros is None:
-                zeros = self._no_bias[rows] = jnp.zeros((rows, self.config.n_vocab), jnp.float32)
-            return zeros
-        bias = np.zeros((rows, self.config.n_vocab), np.float32)
-        for row, s, p in dry:
+            return None
+        d = next(x for x in self._dry_buckets(rows) if x >= len(dry))
+        bias, at = np.zeros((d, self.config.n_vocab), np.float32), np.full(d, rows, np.int32)
+        for i, (row, s, p) in enumerate(dry):
             last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
-            bias[row] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
-                                 self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
-        return bias
+            at[i] = row
+            bias[i] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+                               self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
+        return bias, at
 
     def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
         """The breakers' restart sequences, built once per breaker list (searches of the vocabulary's
