@@ -54,8 +54,8 @@ from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
+from model.steps import Sampled, put_row, run, select
 from model.steps import decode as decode_step
-from model.steps import put_row, run, select
 from model.weights import Weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class Engine:
     compiled steps."""
 
     def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, max_seqs: int = 4,
-                 prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None,
+                 lookahead: bool | None = None):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
         if max_seqs < 1:
@@ -116,7 +117,8 @@ class Engine:
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
         # the scheduler holds its runner weakly: an engine nobody else holds is freed at once
         self.scheduler = Scheduler(weakref.proxy(self), PagePool(n_pages, page_size), max_seqs=max_seqs,
-                                   n_ctx=n_ctx, prefill_budget=prefill_chunk)
+                                   n_ctx=n_ctx, prefill_budget=prefill_chunk,
+                                   lookahead=jax.default_backend() != "cpu" if lookahead is None else lookahead)
         self.pool: KVPool = init_pool(config, n_pages, page_size)
         # each slot's tokens, for the penalties; the last row takes the padding rows' writes
         self._history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
@@ -140,7 +142,7 @@ class Engine:
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, max_seqs: int = 4,
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
-             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE) -> Engine:
+             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, lookahead: bool | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         packed: keep quantized matrices as integer codes (model/packed.py); default: on the CPU backend.
@@ -149,6 +151,8 @@ class Engine:
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 18.5 s -> 3.7 s).
         kv_cache_bytes: the KV pool's size (0: `kv_pool_pages` decides); page_size: tokens per page.
+        lookahead: dispatch a decode step before reading the last one's tokens (model/scheduler.py);
+        default: on a GPU backend.
         """
         t0 = time.perf_counter()
         if compile_cache_dir is not None:
@@ -163,7 +167,7 @@ class Engine:
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
                                 kv_cache_bytes=kv_cache_bytes)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
-                     page_size=page_size, n_pages=n_pages)
+                     page_size=page_size, n_pages=n_pages, lookahead=lookahead)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
                  "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
                  page_size, n_pages * page_bytes(config, page_size) / 2**20, max_seqs)
@@ -453,17 +457,30 @@ class Engine:
         return logits
 
     def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> list[tuple[int, float | None, list]]:
+        return self.read(seqs, self.sample_async(seqs, logits))
+
+    def sample_async(self, seqs: list[SchedSequence], logits: jax.Array, ahead: int = 0) -> Sampled:
+        """Dispatch the sampling of `seqs` from `logits` and start copying what it returns to the
+        host; `read` waits for it. ahead 1: the step ahead's, one token past what the host holds
+        (that token is in the history already: the previous select wrote it)."""
         b = logits.shape[0]
         params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
         sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
         rows = np.full(b, self.max_seqs, np.int32)  # padding rows write to the spare row
         lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
-            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens), seq.completion.n_generated
+            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
         dry = self._dry_bias(seqs, b)
+        if dry is not None and ahead:
+            raise AssertionError("DRY's bias needs the host's tokens: no step ahead (needs_host)")
         program = self._program("select", b, 0 if dry is None else dry[1].shape[0])
         out, self._history = program(logits, sa, self._history, rows, lengths, steps, *(dry or (None, None)))
-        out = jax.device_get(out)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out
+
+    def read(self, seqs: list[SchedSequence], sampled: Sampled) -> list[tuple[int, float | None, list]]:
+        out = jax.device_get(sampled)
         result = []
         for i, seq in enumerate(seqs):
             n_probs = seq.request.params.n_probs
@@ -472,14 +489,15 @@ class Engine:
             result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
         return result
 
+    def needs_host(self, seqs: list[SchedSequence]) -> bool:
+        """Whether any of `seqs` uses DRY, whose bias the host computes from its tokens."""
+        return any(_wants_dry(s.request.params) for s in seqs)
+
     def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> tuple[np.ndarray, np.ndarray] | None:
         """DRY's penalties for the sequences that ask for it: ([D, V] f32, their rows [D] int32), D the
         smallest bucket holding them, padded with zero rows aimed past the batch (`rows`), which the
         device drops; None when no sequence uses DRY (nothing to send)."""
-        def wants(p: SamplingParams) -> bool:
-            return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
-
-        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if wants(s.request.params)]
+        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if _wants_dry(s.request.params)]
         if not dry:
             return None
         d = next(x for x in self._dry_buckets(rows) if x >= len(dry))
@@ -513,6 +531,10 @@ class Engine:
                             np.zeros(1, np.int32), np.array([n], np.int32), config=self.config, window_pages=0,
                             all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+def _wants_dry(p: SamplingParams) -> bool:
+    return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
 
 
 def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0) -> int:

@@ -1,5 +1,7 @@
-"""The decode loop that stays on the device (model/engine.py, model/steps.py), on the tiny random llama:
-DRY's bias only for the rows that use DRY, and each step's input token read on the device."""
+"""The decode loop that stays on the device (model/engine.py, model/steps.py, model/scheduler.py), on the
+tiny random llama: DRY's bias only for the rows that use DRY, each step's input token read on the
+device, and lookahead (the next step dispatched before this one's tokens are read) changing nothing a
+client sees, in a pool so small that long answers preempt each other."""
 
 from __future__ import annotations
 
@@ -16,21 +18,35 @@ DRY = dict(dry_multiplier=1000.0, dry_base=1.75, dry_allowed_length=2, dry_penal
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    """Two sequences over a pool of one context (16 pages of 16 for n_ctx 256), lookahead off."""
+    from model.kvcache import page_bytes
+    from model.weights import load_weights
+
     path = write_tiny_gguf(tmp_path_factory.mktemp("loop") / "tiny.gguf", "llama", n_layer=2, scale=0.3)
-    return Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False)
+    per_page = page_bytes(load_weights(path, verified=True)[0], 16)
+    engine = Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False, lookahead=False,
+                         kv_cache_bytes=16 * per_page)
+    assert engine.stats().pages_total == 16 and not engine.scheduler.lookahead
+    return engine
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
 
 
-def _together(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+def _outputs(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list]:
+    """Every request added at once, iterated to the end: each one's StepOutputs, in the order added."""
     tasks = [engine.add(GenerateRequest(p, params, f"r{i}")) for i, (p, params) in enumerate(requests)]
-    got: dict[int, list[int]] = {t: [] for t in tasks}
+    got: dict[int, list] = {t: [] for t in tasks}
     while engine.has_work():
         for task, out in engine.iterate().outputs:
-            got[task].append(out.token)
+            got[task].append(out)
+    assert engine.stats().pages_used == 0
     return [got[t] for t in tasks]
+
+
+def _together(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    return [[o.token for o in outs] for outs in _outputs(engine, requests)]
 
 
 def _alone(engine: Engine, p: list[int], params: SamplingParams) -> list[int]:
@@ -93,3 +109,57 @@ def test_the_decode_input_is_the_devices_token_not_the_hosts(engine):
         for task, out in engine.iterate().outputs:
             got[task].append(out.token)
     assert lied > 10 and [got[t] for t in tasks] == want
+
+
+def _both_ways(engine: Engine, requests) -> tuple[list, list, int]:
+    """The outputs without and with lookahead, each from an empty prefix cache, and how many steps ran
+    ahead."""
+    engine.scheduler.pool.clear()
+    plain = _outputs(engine, requests)
+    before = engine.scheduler.lookahead_steps
+    engine.scheduler.lookahead = True
+    engine.scheduler.pool.clear()
+    try:
+        ahead = _outputs(engine, requests)
+    finally:
+        engine.scheduler.lookahead = False
+    return plain, ahead, engine.scheduler.lookahead_steps - before
+
+
+def test_lookahead_changes_no_output(engine):
+    """Requests of different lengths on two sequences, ending by max_tokens, a stop string, the context's
+    end; greedy, seeded, penalised, with logprobs, one with DRY (no step ahead while it runs): every
+    output the same with lookahead -- tokens, text, logprobs, finish reasons, usage."""
+    probe = [o.text for o in _outputs(engine, [(_prompt(14, seed=20), SamplingParams(temperature=0.0,
+                                                                                       max_tokens=8))])[0]]
+    stop = next(t for t in probe[2:] if t.isascii() and t.strip())
+    requests = [
+        (_prompt(14, seed=20), SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))),
+        (_prompt(30, seed=21), SamplingParams(temperature=0.9, seed=7, max_tokens=17, n_probs=3)),
+        (_prompt(9, seed=22), SamplingParams(temperature=0.0, max_tokens=5, presence_penalty=0.5, n_probs=1)),
+        (_prompt(240, seed=23), SamplingParams(temperature=1.1, seed=8, top_k=0, top_p=0.8, max_tokens=-1)),
+        (_prompt(12, seed=24), SamplingParams(temperature=0.7, seed=9, max_tokens=9, **DRY)),
+        (_prompt(20, seed=25), SamplingParams(temperature=0.0, max_tokens=21, min_p=0.1, n_probs=2)),
+    ]
+    plain, ahead, n_ahead = _both_ways(engine, requests)
+    assert ahead == plain
+    assert plain[0][-1].finish_reason.value == "stop" and plain[1][-1].finish_reason.value == "length"
+    assert plain[3][-1].completion_tokens <= 16 and plain[1][0].logprobs is not None  # 240 + 16: the context
+    assert n_ahead > 10
+
+
+def test_lookahead_changes_no_output_when_sequences_preempt_each_other(engine):
+    """Two answers that outgrow the pool together: they preempt each other, with or without lookahead,
+    and end with the same outputs."""
+    requests = [(_prompt(40, seed=30), SamplingParams(temperature=0.0, max_tokens=110)),
+                (_prompt(35, seed=31), SamplingParams(temperature=1.0, seed=3, max_tokens=120, n_probs=2))]
+    before = engine.stats().preemptions
+    eog, engine.eog_ids = engine.eog_ids, frozenset()  # no early end: they must outgrow the pool
+    try:
+        plain, ahead, n_ahead = _both_ways(engine, requests)
+    finally:
+        engine.eog_ids = eog
+    assert ahead == plain and n_ahead > 50
+    assert [len(o) for o in plain] == [110, 120]
+    preempted = engine.stats().preemptions - before
+    assert preempted >= 2 and preempted % 2 == 0  # as many times each way
