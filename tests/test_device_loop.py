@@ -163,3 +163,27 @@ def test_lookahead_changes_no_output_when_sequences_preempt_each_other(engine):
     assert [len(o) for o in plain] == [110, 120]
     preempted = engine.stats().preemptions - before
     assert preempted >= 2 and preempted % 2 == 0  # as many times each way
+
+
+def test_the_gpu_configuration_runs_here_and_changes_no_output(engine):
+    """A GPU's engine -- the sampler without branches, lookahead on -- on this CPU: the outputs of the
+    CPU's configuration, for a batch that takes most of the sampler's branches."""
+    requests = [(_prompt(18, seed=40), SamplingParams(temperature=0.0, max_tokens=10, n_probs=2)),
+                (_prompt(26, seed=41), SamplingParams(temperature=0.8, seed=2, max_tokens=12, top_k=0, typical_p=0.9)),
+                (_prompt(7, seed=42), SamplingParams(temperature=1.0, seed=3, max_tokens=8, top_n_sigma=1.5,
+                                                     repeat_penalty=1.2))]
+    engine.scheduler.pool.clear()
+    plain = _outputs(engine, requests)
+    selects = [k for k in engine._compiled if k[0] == "select"]
+    engine.branchless, engine.scheduler.lookahead = True, True
+    before = engine.scheduler.lookahead_steps
+    for key in selects:  # the samplers compile again, without branches
+        del engine._compiled[key]
+    try:
+        engine.scheduler.pool.clear()
+        gpu = _outputs(engine, requests)
+    finally:
+        engine.branchless, engine.scheduler.lookahead = False, False
+        for key in selects:
+            engine._compiled.pop(key, None)
+    assert gpu == plain and engine.scheduler.lookahead_steps > before + 5
