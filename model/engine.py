@@ -10,7 +10,10 @@ This module is the scheduler's runner: it owns the weights, the paged KV pool (m
 `max_seqs` sequences at once, any of them up to `n_ctx` tokens, their sum bounded by the pool), the
 token history the penalties read, and the compiled programs. Sampling runs on the device
 (llama-server's chain, model/sampler_chain.py); text, stops and limits are the host side's, one
-`model.completion.Completion` per request.
+`model.completion.Completion` per request. The decode loop stays on the device: a step's input tokens
+are gathered there from the history the last select wrote, DRY's bias is sent for DRY's rows alone,
+and on a GPU the sampler has no data-dependent branch (`branchless`) and the scheduler dispatches
+the next step before it reads this one's tokens (`lookahead`, model/scheduler.py).
 
 Prompt reuse (llama-server's `cache_prompt`, on by default) is the scheduler's prefix cache: the full
 pages of every sequence stay cached until the pool needs them, and a new prompt computes only what
@@ -205,8 +208,8 @@ class Engine:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows, `window` of them with DRY), "row" (a prompt into the token history). Safe from any thread: a program another
-        thread is compiling is waited for, never compiled twice.
+        t rows, `window` of them with DRY), "row" (a prompt into the token history). Safe from any
+        thread: a program another thread is compiling is waited for, never compiled twice.
         """
         key = (kind, t, window)
         program = self._compiled.get(key)

@@ -186,4 +186,5 @@ def test_the_gpu_configuration_runs_here_and_changes_no_output(engine):
         engine.branchless, engine.scheduler.lookahead = False, False
         for key in selects:
             engine._compiled.pop(key, None)
-    assert gpu == plain and engine.scheduler.lookahead_steps > before + 5
+    assert gpu == plain
+    assert engine.scheduler.lookahead_steps > before + 3, (engine.scheduler.lookahead_steps, before)
