@@ -14,6 +14,12 @@ runs, and the JSON gives the medians (and every sample: a shared box is noisy). 
 - peak_rss_bytes: ours from getrusage; llama-server from /proc/<pid>/status VmHWM. Ours also
   rss_after_warmup_bytes and rss_end_bytes (VmRSS): the peak is the compiler's, the rest is what stays.
 - profile (with --profile): where one decode step of ours spends its time, by XLA op.
+- host (ours; --no-host skips it): the host's share of a decode step, with and without lookahead
+  (the next step dispatched before this one's tokens are read). step_ms: the wall time of a
+  decode-only iteration (one sequence); device_step_ms: the same decode and select programs run back
+  to back with nothing between them (their own time); host_ms = step_ms - device_step_ms and
+  host_share = host_ms / step_ms. build_ms: the host's time building and dispatching a step (decode +
+  sample_async), read_ms: its time in `read` (waiting for the tokens, then converting them).
 - start (ours; --no-start skips it): `bankml serve`'s start-up for the served configuration
   (configs/default.toml's ctx, max_seqs and largest prefill bucket, or --start-ctx), each in a fresh
   process: "first" with an empty compile cache, "cached" with the one the first start filled; for
@@ -106,6 +112,81 @@ class Ours:
         return {"ttft_ms": (t_first - t0) * 1e3, "prefill_tok_per_s": len(ids) / (t_first - t0),
                 "decode_tok_per_s": (len(tokens) - 1) / (t_end - t_first), "decode_tokens": len(tokens)}
 
+    def host_share(self, ids: list[int], n_decode: int, lookahead: bool) -> dict:
+        """The host's share of a decode step (see the module's docstring), one sequence decoding."""
+        from model.messages import GenerateRequest, SamplingParams
+
+        e = self.engine
+        spent = {"build": 0.0, "read": 0.0}
+        plain = {name: getattr(e, name) for name in ("decode", "sample_async", "read")}
+
+        def timed(name, part):
+            def f(*args, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return plain[name](*args, **kw)
+                finally:
+                    spent[part] += time.perf_counter() - t0
+            return f
+
+        e.decode, e.sample_async, e.read = timed("decode", "build"), timed("sample_async", "build"), timed("read", "read")
+        default, e.scheduler.lookahead = e.scheduler.lookahead, lookahead
+        steps: list[tuple[float, float, float]] = []  # per decode-only iteration: wall, build, read (s)
+        try:
+            e.add(GenerateRequest(ids, SamplingParams(temperature=0.0, max_tokens=n_decode), "host"))
+            e.iterate()  # the prompt and the first token
+            while e.has_work():
+                spent.update(build=0.0, read=0.0)
+                t0 = time.perf_counter()
+                e.iterate()
+                steps.append((time.perf_counter() - t0, spent["build"], spent["read"]))
+        finally:
+            for name in plain:
+                delattr(e, name)
+            e.scheduler.lookahead = default
+        steps = steps[:-1]  # the last iteration reads a step and dispatches none
+
+        def median_ms(i: int) -> float:
+            return statistics.median(x[i] for x in steps) * 1e3
+
+        step_ms, device_ms = median_ms(0), self.device_step_ms(len(ids) + n_decode // 2)
+        return {"lookahead": lookahead, "steps": len(steps), "step_ms": step_ms, "device_step_ms": device_ms,
+                "host_ms": step_ms - device_ms, "host_share": (step_ms - device_ms) / step_ms,
+                "build_ms": median_ms(1), "read_ms": median_ms(2)}
+
+    def device_step_ms(self, position: int, n: int = 8, rounds: int = 5) -> float:
+        """The decode and select programs of one sequence at `position`, back to back, `n` times: their own
+        time per step, with no host work between them but the dispatch (the median of `rounds`)."""
+        import jax
+        import numpy as np
+
+        from model.sampler_chain import chain_arrays
+
+        e = self.engine
+        window = e._window_pages(position, e.decode_window_buckets())
+        decode, select = e._program("decode", 1, window), e._program("select", 1, 0)
+        put = jax.device_put
+        slots, table = put(np.array([0], np.int32)), put(np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages)
+        starts, n_new = put(np.array([position], np.int32)), put(np.ones(1, np.int32))
+        sa = jax.tree.map(put, chain_arrays([None], [0]))
+        rows, lengths, steps = put(np.array([0], np.int32)), put(np.array([position + 1], np.int32)), put(np.zeros(1, np.int32))
+
+        def step():
+            e.pool, logits = decode(e.weights, e.pool, e._history, slots, table, starts, n_new)
+            out, e._history = select(logits, sa, e._history, rows, lengths, steps, None, None)
+            return out
+
+        jax.block_until_ready(step())
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = step()
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / n)
+        e.reset()  # those steps wrote into pages the prefix cache may list
+        return statistics.median(times) * 1e3
+
     def profile(self, top: int = 12) -> list[dict]:
         """Per-op time of one decode step (XLA ops, from a JAX profiler trace)."""
         import collections
@@ -120,7 +201,7 @@ class Ours:
         # one sequence's decode step in the smallest window, as the runs above decode (batch 1)
         window = e._window_pages(e.decode_window_buckets()[0], e.decode_window_buckets())
         program = e._program("decode", 1, window)
-        args = (np.zeros((1, 1), np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
+        args = (e._history, np.zeros(1, np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
                 np.array([window * e.page_size - 1], np.int32), np.ones(1, np.int32))
         e.pool, logits = program(e.weights, e.pool, *args)
         logits.block_until_ready()
@@ -239,6 +320,7 @@ def main() -> int:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="add a per-op profile of one decode step")
+    ap.add_argument("--no-host", action="store_true", help="skip the host's share of a decode step")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     # llama-server as users run it: its defaults. Where ggml's AMX repacked kernels die with SIGILL (VMs
     # that report AMX but do not grant its tile state, as the dev box), pass --llama-args=--no-repack and
@@ -294,6 +376,11 @@ def main() -> int:
         result["llama_server"] = {"skipped": ref_error}
     if start is not None:
         result["ours"]["start"] = start
+    if not args.no_host:
+        import jax
+
+        result["ours"]["host"] = {"backend": jax.default_backend(), "runs": [
+            ours.host_share(ids, args.decode_tokens, lookahead) for lookahead in (False, True)]}
     if args.profile:
         result["ours"]["decode_profile"] = ours.profile()
     text = json.dumps(result, indent=1)

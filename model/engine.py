@@ -10,7 +10,10 @@ This module is the scheduler's runner: it owns the weights, the paged KV pool (m
 `max_seqs` sequences at once, any of them up to `n_ctx` tokens, their sum bounded by the pool), the
 token history the penalties read, and the compiled programs. Sampling runs on the device
 (llama-server's chain, model/sampler_chain.py); text, stops and limits are the host side's, one
-`model.completion.Completion` per request.
+`model.completion.Completion` per request. The decode loop stays on the device: a step's input tokens
+are gathered there from the history the last select wrote, DRY's bias is sent for DRY's rows alone,
+and on a GPU the sampler has no data-dependent branch (`branchless`) and the scheduler dispatches
+the next step before it reads this one's tokens (`lookahead`, model/scheduler.py).
 
 Prompt reuse (llama-server's `cache_prompt`, on by default) is the scheduler's prefix cache: the full
 pages of every sequence stay cached until the pool needs them, and a new prompt computes only what
@@ -54,7 +57,8 @@ from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
-from model.steps import put_row, run, select
+from model.steps import Sampled, put_row, run, select
+from model.steps import decode as decode_step
 from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, load_weights, matrix_types
 
 log = logging.getLogger(__name__)
@@ -91,7 +95,8 @@ class Engine:
     compiled steps."""
 
     def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, max_seqs: int = 4,
-                 prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None,
+                 lookahead: bool | None = None):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
         if max_seqs < 1:
@@ -116,7 +121,8 @@ class Engine:
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
         # the scheduler holds its runner weakly: an engine nobody else holds is freed at once
         self.scheduler = Scheduler(weakref.proxy(self), PagePool(n_pages, page_size), max_seqs=max_seqs,
-                                   n_ctx=n_ctx, prefill_budget=prefill_chunk)
+                                   n_ctx=n_ctx, prefill_budget=prefill_chunk,
+                                   lookahead=jax.default_backend() != "cpu" if lookahead is None else lookahead)
         self.pool: KVPool = init_pool(config, n_pages, page_size)
         # each slot's tokens, for the penalties; the last row takes the padding rows' writes
         self._history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
@@ -127,11 +133,13 @@ class Engine:
         self._stop_background = threading.Event()
         self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
-        self._no_bias: dict[int, jax.Array] = {}  # DRY's zero bias, by batch size
         self.compile_s = 0.0
         self.file_bytes: int | None = None  # the GGUF's tensor bytes, when loaded from a file (`load`)
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
         self.lazy_compile = False
+        # the sampler without data-dependent branches: on a GPU each `lax.cond` is a device->host sync,
+        # on a CPU skipping the sorts no row needs is worth it
+        self.branchless = jax.default_backend() != "cpu"
 
     # --- construction -------------------------------------------------------------------------
 
@@ -139,7 +147,8 @@ class Engine:
     def load(cls, path: str | os.PathLike, *, verified: bool, n_ctx: int = 4096, max_seqs: int = 4,
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
-             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None) -> Engine:
+             kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None,
+             lookahead: bool | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         layout: the weights' layout (model/weights.py): "packed" (the CPU default), "dense", or "device"
@@ -150,6 +159,8 @@ class Engine:
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 18.5 s -> 3.7 s).
         kv_cache_bytes: the KV pool's size (0: `kv_pool_pages` decides); page_size: tokens per page.
+        lookahead: dispatch a decode step before reading the last one's tokens (model/scheduler.py);
+        default: on a GPU backend.
         """
         t0 = time.perf_counter()
         if compile_cache_dir is not None:
@@ -165,7 +176,7 @@ class Engine:
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
                                 kv_cache_bytes=kv_cache_bytes)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
-                     page_size=page_size, n_pages=n_pages)
+                     page_size=page_size, n_pages=n_pages, lookahead=lookahead)
         engine.file_bytes = file_tensor_bytes(path)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
                  "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
@@ -221,8 +232,8 @@ class Engine:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows), "row" (a prompt into the token history). Safe from any thread: a program another
-        thread is compiling is waited for, never compiled twice.
+        t rows, `window` of them with DRY), "row" (a prompt into the token history). Safe from any
+        thread: a program another thread is compiling is waited for, never compiled twice.
         """
         key = (kind, t, window)
         program = self._compiled.get(key)
@@ -258,17 +269,23 @@ class Engine:
         the engine thread donates and replaces while a background compile runs. For "prefill" t is
         the chunk's bucket, for "decode" and "select" the batch's; `window` is in pages."""
         sp, i32 = self._specs, jnp.int32
-        if kind in ("prefill", "decode"):
-            b, n = (1, t) if kind == "prefill" else (t, 1)
-            args = (jax.ShapeDtypeStruct((b, n), i32), jax.ShapeDtypeStruct((b, self.max_pages), i32),
-                    jax.ShapeDtypeStruct((b,), i32), jax.ShapeDtypeStruct((b,), i32))
+        if kind == "prefill":
+            args = (jax.ShapeDtypeStruct((1, t), i32), jax.ShapeDtypeStruct((1, self.max_pages), i32),
+                    jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((1,), i32))
             return run.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
+        if kind == "decode":
+            vec = jax.ShapeDtypeStruct((t,), i32)
+            args = (sp.history, vec, jax.ShapeDtypeStruct((t, self.max_pages), i32), vec, vec)
+            return decode_step.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
         if kind == "row":
             return put_row.lower(sp.history, jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((self.n_ctx,), i32))
+        # "select": `window` is the DRY rows' bucket (0: no row uses DRY)
         sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         vec = jax.ShapeDtypeStruct((t,), i32)
-        return select.lower(logits, sa, sp.history, vec, vec, vec, logits)
+        dry = (jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32),
+               jax.ShapeDtypeStruct((window,), i32)) if window else (None, None)
+        return select.lower(logits, sa, sp.history, vec, vec, vec, *dry, branchless=self.branchless)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""
@@ -277,8 +294,12 @@ class Engine:
             keys += [("prefill", t, self._window_pages(w, self._prefill_windows)) for t in self._continue_buckets()]
         for b in self._batches:
             keys += [("decode", b, self._window_pages(w, self._decode_windows)) for w in self._decode_windows]
-        keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
+        keys += [("row", 0, 0)] + [("select", b, d) for b in self._batches for d in self._dry_buckets(b)]
         return keys
+
+    def _dry_buckets(self, b: int) -> list[int]:
+        """The DRY-row counts a select of b rows is compiled for: 0 (none), then the batch buckets."""
+        return [0, *(d for d in self._batches if d <= b)]
 
     def essential_keys(self) -> list[tuple[str, int, int]]:
         """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
@@ -450,26 +471,43 @@ class Engine:
         return logits
 
     def decode(self, seqs: list[SchedSequence]) -> jax.Array:
+        """One step for `seqs`, each at `n_computed`; its input token is read on the device, from
+        the history row its last select (or its prompt) wrote, never from the host's `next_token`."""
         b = next(x for x in self._batches if x >= len(seqs))
-        tokens, starts, n_new = (np.zeros(b, np.int32) for _ in range(3))
+        slots = np.full(b, self.max_seqs, np.int32)  # padding rows read the spare row, write nothing
+        starts, n_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
-            tokens[i], starts[i], n_new[i] = seq.next_token, seq.n_computed, 1
+            slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1
         window = self._window_pages(int(starts.max()), self._decode_windows)
         self.pool, logits = self._program("decode", b, window)(
-            self.weights, self.pool, tokens[:, None], self._table(seqs, b), starts, n_new)
+            self.weights, self.pool, self._history, slots, self._table(seqs, b), starts, n_new)
         return logits
 
     def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> list[tuple[int, float | None, list]]:
+        return self.read(seqs, self.sample_async(seqs, logits))
+
+    def sample_async(self, seqs: list[SchedSequence], logits: jax.Array, ahead: int = 0) -> Sampled:
+        """Dispatch the sampling of `seqs` from `logits` and start copying what it returns to the
+        host; `read` waits for it. ahead 1: the step ahead's, one token past what the host holds
+        (that token is in the history already: the previous select wrote it)."""
         b = logits.shape[0]
         params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
         sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
         rows = np.full(b, self.max_seqs, np.int32)  # padding rows write to the spare row
         lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
-            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens), seq.completion.n_generated
-        out, self._history = self._program("select", b, 0)(logits, sa, self._history, rows, lengths, steps,
-                                                           self._dry_bias(seqs, b))
-        out = jax.device_get(out)
+            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
+        dry = self._dry_bias(seqs, b)
+        if dry is not None and ahead:
+            raise AssertionError("DRY's bias needs the host's tokens: no step ahead (needs_host)")
+        program = self._program("select", b, 0 if dry is None else dry[1].shape[0])
+        out, self._history = program(logits, sa, self._history, rows, lengths, steps, *(dry or (None, None)))
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out
+
+    def read(self, seqs: list[SchedSequence], sampled: Sampled) -> list[tuple[int, float | None, list]]:
+        out = jax.device_get(sampled)
         result = []
         for i, seq in enumerate(seqs):
             n_probs = seq.request.params.n_probs
@@ -478,24 +516,25 @@ class Engine:
             result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
         return result
 
-    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> np.ndarray | jax.Array:
-        """[rows, V] f32: DRY's penalties for the sequences that ask for it, zeros elsewhere (without
-        DRY, one device array of zeros per batch size, so a step sends nothing)."""
-        def wants(p: SamplingParams) -> bool:
-            return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
+    def needs_host(self, seqs: list[SchedSequence]) -> bool:
+        """Whether any of `seqs` uses DRY, whose bias the host computes from its tokens."""
+        return any(_wants_dry(s.request.params) for s in seqs)
 
-        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if wants(s.request.params)]
+    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """DRY's penalties for the sequences that ask for it: ([D, V] f32, their rows [D] int32), D the
+        smallest bucket holding them, padded with zero rows aimed past the batch (`rows`), which the
+        device drops; None when no sequence uses DRY (nothing to send)."""
+        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if _wants_dry(s.request.params)]
         if not dry:
-            zeros = self._no_bias.get(rows)
-            if zeros is None:
-                zeros = self._no_bias[rows] = jnp.zeros((rows, self.config.n_vocab), jnp.float32)
-            return zeros
-        bias = np.zeros((rows, self.config.n_vocab), np.float32)
-        for row, s, p in dry:
+            return None
+        d = next(x for x in self._dry_buckets(rows) if x >= len(dry))
+        bias, at = np.zeros((d, self.config.n_vocab), np.float32), np.full(d, rows, np.int32)
+        for i, (row, s, p) in enumerate(dry):
             last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
-            bias[row] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
-                                 self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
-        return bias
+            at[i] = row
+            bias[i] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+                               self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
+        return bias, at
 
     def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
         """The breakers' restart sequences, built once per breaker list (searches of the vocabulary's
@@ -534,6 +573,10 @@ def _log_weights(report: dict) -> None:
             continue
         for name, row in (rows.items() if op == "qmatmul" else [("", rows)]):
             log.info("kernels: %s%s: %s (%s)", op, f" {name}" if name else "", row["impl"], row["why"])
+
+
+def _wants_dry(p: SamplingParams) -> bool:
+    return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
 
 
 def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0) -> int:

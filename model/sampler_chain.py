@@ -15,7 +15,9 @@ llama.cpp sampler (src/llama-sampler.cpp) in what it keeps and how it changes lo
 - dist: one uniform draw walked along the cumulative probabilities of what is left.
 The candidates are the 128 best logits when every row's top_k is in 1..128 (the usual case), else
 the whole vocabulary sorted: the result is the same either way. Every parameter is an array, so a
-new value never recompiles. Random bits are JAX's, keyed by (seed, step) so a request draws the
+new value never recompiles. On a GPU (`branchless`) every stage that the CPU skips when no row
+needs it (a `lax.cond`, which there costs a device-to-host sync to read the predicate) is computed
+anyway and the result chosen with `jnp.where`: the same tokens, no data-dependent branch. Random bits are JAX's, keyed by (seed, step) so a request draws the
 same tokens whatever shares its batch; XTC draws from its own stream (llama.cpp gives it its own
 mt19937). They are not llama.cpp's bits: the same seed repeats our draws, not llama.cpp's.
 """
@@ -202,6 +204,13 @@ def temperature(vals: jax.Array, keep: jax.Array, ca: ChainArrays) -> jax.Array:
 # --- the chain ------------------------------------------------------------------------------------
 
 
+def either(branchless: bool, pred: jax.Array, on, off):
+    """`lax.cond(pred, on, off)`; branchless: both computed, the one `pred` names selected."""
+    if not branchless:
+        return lax.cond(pred, on, off)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on(), off())
+
+
 def dist(final: jax.Array, u: jax.Array) -> jax.Array:
     """One uniform `u` [B] walked along the cumulative probabilities (llama.cpp's dist): the index
     [B] of the first candidate whose running sum passes u * total. The candidates past the 128 best
@@ -219,11 +228,11 @@ def _keys(ca: ChainArrays, steps: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(lambda k: jax.random.fold_in(k, 0))(base), jax.vmap(lambda k: jax.random.fold_in(k, 1))(base)
 
 
-def filtered(vals: jax.Array, ca: ChainArrays, chance: jax.Array) -> jax.Array:
+def filtered(vals: jax.Array, ca: ChainArrays, chance: jax.Array, branchless: bool = False) -> jax.Array:
     """The candidates' final logits (sorted input vals [B, K]): -inf for what the chain removed."""
     keep = jnp.ones(vals.shape, bool)
     keep = top_k(keep, ca)
-    keep = lax.cond(jnp.any(ca.typical_p < 1.0), lambda: typical(vals, keep, ca), lambda: keep)  # a sort
+    keep = either(branchless, jnp.any(ca.typical_p < 1.0), lambda: typical(vals, keep, ca), lambda: keep)  # a sort
     keep = top_p(vals, keep, ca)
     keep = min_p(vals, keep, ca)
     keep = xtc(vals, keep, ca, chance)
@@ -231,27 +240,29 @@ def filtered(vals: jax.Array, ca: ChainArrays, chance: jax.Array) -> jax.Array:
 
 
 def sample_chain(logits: jax.Array, ca: ChainArrays, history: jax.Array, length: jax.Array,
-                 steps: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+                 steps: jax.Array, bias: jax.Array | None = None, branchless: bool = False) -> jax.Array:
     """logits [B, V] f32 -> tokens [B] int32 through the whole chain.
 
     history [B, T] / length [B]: each row's tokens so far (for the penalties); steps [B]: the token's
     index in its request (for the random keys); bias [B, V]: DRY's penalties, added after the others.
+    branchless (static): no `lax.cond`, for a GPU (see the module's docstring).
     """
     penalised = (ca.repeat_last_n != 0) & ((ca.repeat_penalty != 1.0) | (ca.frequency_penalty != 0.0)
                                            | (ca.presence_penalty != 0.0))
-    x = lax.cond(jnp.any(penalised), lambda: penalties(logits, history, length, ca), lambda: logits)
+    x = either(branchless, jnp.any(penalised), lambda: penalties(logits, history, length, ca), lambda: logits)
     if bias is not None:
         x = x + bias
-    x = lax.cond(jnp.any(ca.top_n_sigma > 0), lambda: top_n_sigma(x, ca), lambda: x)
+    x = either(branchless, jnp.any(ca.top_n_sigma > 0), lambda: top_n_sigma(x, ca), lambda: x)
     # all rows greedy, and nothing that can remove the best candidate (typical-p, XTC): the argmax
     greedy = (ca.temperature <= 0) & ((ca.dynatemp_range <= 0) | (ca.temperature + ca.dynatemp_range <= 0))
     xtc_on = (ca.xtc_probability > 0) & (ca.xtc_threshold <= 0.5)
     simple_greedy = greedy & (ca.typical_p >= 1.0) & ~xtc_on
-    return lax.cond(jnp.all(simple_greedy), lambda: jnp.argmax(x, -1).astype(jnp.int32),
-                    lambda: _draw(x, ca, steps, simple_greedy))
+    return either(branchless, jnp.all(simple_greedy), lambda: jnp.argmax(x, -1).astype(jnp.int32),
+                  lambda: _draw(x, ca, steps, simple_greedy, branchless))
 
 
-def _draw(x: jax.Array, ca: ChainArrays, steps: jax.Array, simple_greedy: jax.Array) -> jax.Array:
+def _draw(x: jax.Array, ca: ChainArrays, steps: jax.Array, simple_greedy: jax.Array,
+          branchless: bool = False) -> jax.Array:
     """top-k ... dist on the penalised logits x [B, V]. A greedy row with nothing that can drop the
     best token is served by the 128 best whatever its top_k."""
     draw_key, xtc_key = _keys(ca, steps)
@@ -259,16 +270,16 @@ def _draw(x: jax.Array, ca: ChainArrays, steps: jax.Array, simple_greedy: jax.Ar
     u = jax.vmap(lambda k: jax.random.uniform(k))(draw_key)
 
     def draw(vals, ids):
-        pick = dist(filtered(vals, ca, chance), u)  # [B]
+        pick = dist(filtered(vals, ca, chance, branchless), u)  # [B]
         return jnp.take_along_axis(ids, pick[:, None], -1)[:, 0]
 
-    def partial_sort(_):
+    def partial_sort():
         vals, ids = lax.top_k(x, min(TOP_K_CAP, x.shape[-1]))
         return draw(vals, ids.astype(jnp.int32))
 
-    def full_sort(_):
+    def full_sort():
         ids = jnp.argsort(-x, axis=-1, stable=True).astype(jnp.int32)
         return draw(jnp.take_along_axis(x, ids, -1), ids)
 
     needs_full = jnp.any(((ca.top_k <= 0) | (ca.top_k > TOP_K_CAP)) & ~simple_greedy)
-    return lax.cond(needs_full, full_sort, partial_sort, None)
+    return either(branchless, needs_full, full_sort, partial_sort)

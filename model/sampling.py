@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
-from model.sampler_chain import ChainArrays
+from model.sampler_chain import ChainArrays, either
 
 # The most top logprobs a step reports (OpenAI's top_logprobs allows 20).
 N_PROBS_MAX = 20
@@ -29,20 +29,21 @@ def unsupported_sampling(p: SamplingParams) -> str | None:
     return None
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, sa: ChainArrays):
+def logprobs(logits: jax.Array, tokens: jax.Array, sa: ChainArrays, branchless: bool = False):
     """Log-softmax of the raw logits (before any filter): the chosen token's and the top N_PROBS_MAX.
 
-    Returns (token_logprob [B], top_ids [B, N], top_logprobs [B, N]); skipped (zeros) when no row asks.
+    Returns (token_logprob [B], top_ids [B, N], top_logprobs [B, N]); skipped (zeros) when no row asks,
+    or with `branchless` (a GPU) computed anyway and zeroed.
     """
     n = min(N_PROBS_MAX, logits.shape[-1])
 
-    def compute(_):
+    def compute():
         lp = jax.nn.log_softmax(logits, axis=-1)
         top_lp, top_ids = lax.top_k(lp, n)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_lp
 
-    def skip(_):
+    def skip():
         b = logits.shape[0]
         return jnp.zeros((b,), jnp.float32), jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32)
 
-    return lax.cond(jnp.any(sa.n_probs > 0), compute, skip, None)
+    return either(branchless, jnp.any(sa.n_probs > 0), compute, skip)

@@ -18,6 +18,16 @@ Driven by the engine thread, one `iterate()` at a time; each iteration, top to b
    the queue to be computed again later), so the pool never runs out and nothing deadlocks.
 4. **Hand out** one `StepOutput` per sampled token; a sequence that finished frees its slot and pages.
 
+With `lookahead` (a GPU), an iteration that only decodes sequences already running dispatches the
+next step (forward and sample, its input tokens taken on the device) before it reads this step's
+tokens, so the device computes while the host detokenizes, checks stops and hands out; the next
+iteration reads that step instead of dispatching one. The step ahead is speculative: its cells are
+counted (and its full pages published) only once this step's tokens are in and no sequence of the
+batch finished; otherwise it is thrown away, its cells written again by the step that replaces it, so
+every request gets the tokens, logprobs and finish it gets without lookahead. Its pages come from the
+free list only (never an eviction, never a preemption); when they cannot, it is skipped. A row that
+uses DRY (whose bias the host computes from the tokens) or that surely ends at this step also skips it.
+
 The device work is the runner's (model/engine.py): it owns the compiled programs, the KV pool and
 the token history; this module owns every decision and all the bookkeeping, and imports no jax.
 """
@@ -61,6 +71,14 @@ class Sequence:
         return self.n_computed < self.target
 
 
+@dataclass(eq=False)
+class Step:
+    """A decode step dispatched for `rows`, its tokens not read yet (`sampled`: the runner's handle)."""
+
+    rows: list[Sequence]
+    sampled: Any
+
+
 class Runner(Protocol):
     """The device side the scheduler drives (model.engine.Engine)."""
 
@@ -76,10 +94,25 @@ class Runner(Protocol):
     def sample(self, seqs: list[Sequence], logits: Any) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
         """The next token of each of `seqs` from its row of `logits`: (token, logprob, top)."""
 
+    def sample_async(self, seqs: list[Sequence], logits: Any, ahead: int = 0) -> Any:
+        """`sample`, dispatched and not read: a handle for `read`. ahead 1: each sequence's tokens and
+        steps count one more token than the host holds (the step ahead's)."""
+
+    def read(self, seqs: list[Sequence], sampled: Any) -> list[tuple[int, float | None, list[tuple[int, float]]]]:
+        """What `sample_async` dispatched, as `sample` returns it (waits for the device)."""
+
+    def needs_host(self, seqs: list[Sequence]) -> bool:
+        """Whether sampling any of `seqs` needs its last token on the host (DRY): no step ahead."""
+
 
 class Scheduler:
-    def __init__(self, runner: Runner, pool: PagePool, *, max_seqs: int, n_ctx: int, prefill_budget: int):
+    def __init__(self, runner: Runner, pool: PagePool, *, max_seqs: int, n_ctx: int, prefill_budget: int,
+                 lookahead: bool = False):
         self.runner = runner
+        self.lookahead = lookahead
+        self._ahead: Step | None = None  # the step dispatched ahead, its tokens not read yet
+        self.lookahead_steps = 0  # steps dispatched ahead
+        self.lookahead_dropped = 0  # of those, thrown away (a sequence of the batch ended)
         self.pool = pool
         self.max_seqs = max_seqs
         self.n_ctx = n_ctx
@@ -128,6 +161,7 @@ class Scheduler:
         for seq in self.waiting:
             seq.n_computed = 0
         self.pool.clear()
+        self._ahead = None
         return dropped
 
     # --- one iteration -----------------------------------------------------------------------------
@@ -135,6 +169,9 @@ class Scheduler:
     def iterate(self) -> Iteration:
         it = Iteration()
         self.iterations += 1
+        if self._ahead is not None and not self._decode_only():  # a request came: end the step in flight
+            self._read(self._ahead, it)
+            self._ahead = None
 
         # 1. admit, first come first served
         while self.waiting and self._free_slots:
@@ -161,8 +198,25 @@ class Scheduler:
                 [(token, logprob, top)] = self.runner.sample([seq], logits)
                 it.outputs.append((seq.task, self._push(seq, token, logprob, top)))
 
-        # 3. decode one token for every sequence past its prompt; preempt for pages when needed
-        rows = [s for s in self.running if not s.prefilling]
+        # 3. decode one token for every sequence past its prompt, or take the step already in flight;
+        # with lookahead, dispatch the next one before reading this one
+        step, self._ahead = self._ahead, None
+        if step is None:
+            rows = self._reserve([s for s in self.running if not s.prefilling])
+            step = self._dispatch(rows) if rows else None
+        if step is not None:
+            ahead = self._look_ahead() if self.lookahead else None
+            self._read(step, it)
+            if ahead is not None and all(seq in self.running for seq in ahead.rows):
+                self._count(ahead.rows)
+                self._ahead = ahead
+            elif ahead is not None:
+                self.lookahead_dropped += 1
+        return it
+
+    def _reserve(self, rows: list[Sequence]) -> list[Sequence]:
+        """A page for each of `rows` whose next cell starts one, preempting the newest sequences when
+        none is left; the rows still running."""
         for seq in list(rows):
             if seq not in self.running:  # preempted for an earlier row's page
                 continue
@@ -177,14 +231,46 @@ class Scheduler:
                     rows.remove(victim)
                 if victim is seq:
                     break
-        if rows:
-            logits = self.runner.decode(rows)
-            for seq in rows:
-                seq.n_computed += 1
-                self._publish(seq)
-            for seq, (token, logprob, top) in zip(rows, self.runner.sample(rows, logits), strict=True):
+        return rows
+
+    def _dispatch(self, rows: list[Sequence]) -> Step:
+        logits = self.runner.decode(rows)
+        self._count(rows)
+        return Step(rows, self.runner.sample_async(rows, logits))
+
+    def _count(self, rows: list[Sequence]) -> None:
+        """The cells a step computed for `rows` are theirs: counted, their full pages published."""
+        for seq in rows:
+            seq.n_computed += 1
+            self._publish(seq)
+
+    def _read(self, step: Step, it: Iteration) -> None:
+        running = set(self.running)
+        for seq, (token, logprob, top) in zip(step.rows, self.runner.read(step.rows, step.sampled), strict=True):
+            if seq in running:  # not cancelled while its step was in flight
                 it.outputs.append((seq.task, self._push(seq, token, logprob, top)))
-        return it
+
+    def _decode_only(self) -> bool:
+        return not self.waiting and not any(seq.prefilling for seq in self.running)
+
+    def _look_ahead(self) -> Step | None:
+        """The next step of every running sequence, dispatched while this step's tokens are unread
+        (its input tokens are theirs, on the device); None when it cannot be had safely (see the
+        module's docstring). Its cells stay uncounted until the caller confirms it."""
+        rows = list(self.running)
+        if not rows or not self._decode_only() or self.runner.needs_host(rows):
+            return None
+        for seq in rows:
+            c, max_tokens = seq.completion, seq.request.params.max_tokens
+            if c.n_prompt + c.n_generated + 1 >= self.n_ctx or 0 <= max_tokens <= c.n_generated + 1:
+                return None  # it ends at this step: the step ahead would be thrown away
+        for seq in rows:
+            while seq.n_computed // self.page_size >= len(seq.pages):
+                if self.pool.available() - self.pool.cached == 0:
+                    return None  # no free page: evicting a cached prefix would change later requests
+                seq.pages += self.pool.take(1)
+        self.lookahead_steps += 1
+        return Step(rows, self.runner.sample_async(rows, self.runner.decode(rows), ahead=1))
 
     # --- the steps' parts --------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The compiled entry points: `run` (a prefill chunk of one sequence, or a decode step of many) and
+"""The compiled entry points: `run` (a prefill chunk of one sequence), `decode` (a step of many) and
 `select` (sampling from their logits).
 
 Static under jit: the config, the padded shapes and the attention window bucket (in pages).
@@ -6,7 +6,9 @@ Everything that changes per request or per token -- tokens, block tables, positi
 parameters, seeds -- is an array, so the set of compiled programs is fixed at start-up
 (`Engine.warmup` compiles them all). The KV pool is donated: each call consumes it and returns the
 updated one, written in place. Logits
-stay on the device between a forward program and `select`; only the sampled ids and logprobs travel.
+stay on the device between a forward program and `select`; only the sampled ids and logprobs travel,
+and never back: `select` writes each token into the token history, and the next `decode` gathers its
+input there, so a step can be dispatched before the host has read the previous one's tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from model.config import Config
@@ -36,19 +39,25 @@ class Sampled:
     top_logprobs: jax.Array  # [B, N_PROBS_MAX] f32
 
 
-@partial(jax.jit, donate_argnames=("history",))
+@partial(jax.jit, static_argnames=("branchless",), donate_argnames=("history",))
 def select(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Array, lengths: jax.Array,
-           steps: jax.Array, bias: jax.Array) -> tuple[Sampled, jax.Array]:
+           steps: jax.Array, dry_bias: jax.Array | None = None, dry_rows: jax.Array | None = None, *,
+           branchless: bool = False) -> tuple[Sampled, jax.Array]:
     """Sample the next token of slots `rows` [R] from their logits [R, V] through llama-server's
     chain, report logprobs, and append the tokens to the slots' rows of `history` [B_slots, n_ctx]
-    (at `lengths` [R], the tokens each row holds: the penalties' window). `ca` holds R rows; bias
-    [R, V]: DRY's host-computed penalties (zeros for rows without DRY, so one program serves both).
+    (at `lengths` [R], the tokens each row holds: the penalties' window). `ca` holds R rows.
+    dry_bias [D, V]: DRY's host-computed penalties of the rows `dry_rows` [D] (R: a padding entry),
+    scattered here; None (no row uses DRY): nothing is uploaded, nothing added.
 
     Compiled apart from the forward programs: one sampler program per batch size serves every
-    window bucket, which halves start-up compilation.
+    window bucket, which halves start-up compilation. branchless (static; a GPU): no `lax.cond`, so
+    the step never waits on the host to choose a branch (model/sampler_chain.py).
     """
-    tokens = sample_chain(logits, ca, history[rows], lengths, steps, bias)
-    lp, top_ids, top_lp = logprobs(logits, tokens, ca)
+    bias = None
+    if dry_bias is not None:
+        bias = jnp.zeros(logits.shape, jnp.float32).at[dry_rows].set(dry_bias, mode="drop")  # [R, V]
+    tokens = sample_chain(logits, ca, history[rows], lengths, steps, bias, branchless)
+    lp, top_ids, top_lp = logprobs(logits, tokens, ca, branchless)
     history = history.at[rows, lengths].set(tokens, mode="drop")
     return Sampled(tokens, lp, top_ids, top_lp), history
 
@@ -68,5 +77,17 @@ def run(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array, sta
     (0: a padding row, nothing written); `window_pages` covers every row's start (0 when all start at
     position 0). Returns the pool and the logits [B, V] after each row's last real token.
     """
+    logits, pool = forward(weights, pool, tokens, table, starts, n_new, config=config, window_pages=window_pages)
+    return pool, logits
+
+
+@partial(jax.jit, static_argnames=("config", "window_pages"), donate_argnames=("pool",))
+def decode(weights: Weights, pool: KVPool, history: jax.Array, slots: jax.Array, table: jax.Array,
+           starts: jax.Array, n_new: jax.Array, *, config: Config, window_pages: int) -> tuple[KVPool, jax.Array]:
+    """One decode step of B rows: row b computes the token `history[slots[b], starts[b]]` at position
+    `starts[b]` (what the last `select` of its slot wrote there, or its prompt's last token), so
+    the host never reads a token on its way to the next step. As `run` otherwise (n_new[b] 0: a
+    padding row)."""
+    tokens = history[slots, starts][:, None]  # [B, 1]
     logits, pool = forward(weights, pool, tokens, table, starts, n_new, config=config, window_pages=window_pages)
     return pool, logits

@@ -7,6 +7,7 @@ arithmetic is visible (log-probabilities as logits).
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +190,59 @@ def test_any_values_run_in_the_one_compiled_program():
     for row in rows:
         assert 0 <= chain(row, step=1, length=3) < V
     assert SAMPLE._cache_size() == compiled  # no value recompiles
+
+
+# --- the branchless chain (a GPU's: no lax.cond) ----------------------------------------------------
+
+MIXED = (dict(temperature=0.0), dict(temperature=0.9, top_k=5), dict(temperature=1.1, top_k=0, top_p=0.8),
+         dict(temperature=0.7, min_p=0.1, n_probs=3), dict(temperature=0.8, typical_p=0.7),
+         dict(temperature=1.0, top_n_sigma=1.0), dict(temperature=0.0, repeat_penalty=1.5, presence_penalty=0.3),
+         dict(temperature=1.2, xtc_probability=0.7, xtc_threshold=0.05, dynatemp_range=0.3))
+
+
+def _select_both(rows: tuple[dict, ...], step: int):
+    """steps.select with and without branches on the same rows: (tokens, logprob, top ids, top logprobs)."""
+    from model.steps import select
+
+    n = len(rows)
+    logits = jax.random.normal(jax.random.PRNGKey(step), (n, V)) * 3.0
+    ca = arrays(*rows, seeds=list(range(n)))
+    history = jax.random.randint(jax.random.PRNGKey(100 + step), (n + 1, 16), 0, V)
+    args = (jnp.arange(n), jnp.full((n,), 10), jnp.full((n,), step), jnp.zeros((n, V)))
+    out = []
+    for branchless in (False, True):
+        sampled, _ = select(logits, ca, jnp.array(history), *args, branchless=branchless)
+        out.append([np.asarray(a) for a in jax.tree.leaves(sampled)])
+    return out
+
+
+def test_the_branchless_chain_draws_what_the_branching_one_draws():
+    """Every stage computed and selected gives the very tokens and logprobs of the chain that skips the
+    stages no row needs, batch by batch: all kinds of rows at once, only greedy rows, no penalties,
+    rows all in the 128 best, one row that needs the whole vocabulary sorted."""
+    batches = [MIXED, MIXED[:1] * 8, (MIXED[1], MIXED[3]) * 4, (MIXED[2], MIXED[0]) * 4, (MIXED[4], MIXED[5]) * 4]
+    for i, rows in enumerate(batches):
+        for step in range(3):
+            branching, branchless = _select_both(rows, 7 * i + step)
+            for a, b in zip(branching, branchless, strict=True):
+                np.testing.assert_array_equal(a, b)
+    assert len(set(_select_both(MIXED, 1)[1][0].tolist())) > 1  # the rows draw different tokens
+
+
+def test_the_branchless_select_has_no_conditional():
+    from model.steps import select
+
+    n = 4
+    spec = jax.ShapeDtypeStruct
+    ca = jax.tree.map(lambda a: spec(a.shape, a.dtype), sc.chain_arrays([None] * n, [0] * n))
+    args = (spec((n, V), jnp.float32), ca, spec((n + 1, 16), jnp.int32), spec((n,), jnp.int32),
+            spec((n,), jnp.int32), spec((n,), jnp.int32), spec((n, V), jnp.float32))
+
+    def ops(branchless: bool) -> set[str]:
+        """The op names of the lowered program, StableHLO and HLO (no compile)."""
+        lowered = select.lower(*args, branchless=branchless)
+        return (set(re.findall(r"stablehlo\.\w+", lowered.as_text()))
+                | set(re.findall(r"= \S+ (\w+)\(", lowered.as_text(dialect="hlo"))))
+
+    assert {"stablehlo.case", "conditional"} <= ops(False)  # the check sees a branch
+    assert not {"stablehlo.case", "stablehlo.if", "conditional"} & ops(True)
