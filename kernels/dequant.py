@@ -9,8 +9,9 @@ of a stacked weight. This is the only module that decides how dequantization run
   2-core box, end to end into a jax.Array, they beat the jitted JAX reference for every type: about
   0.45 s against 1.0 s for gemma3's 262144x640 Q8_0 embedding. They also need no compile per shape.
   The output buffer is 64-byte aligned, so `jax.device_put` adopts it without a copy.
-- gpu: the jitted JAX reference runs on the device, from the raw bytes. It stands in until the
-  Triton twins (kernels/triton/) take over the GPU path; those will dequantize in the matmul instead of at load.
+- gpu: the jitted JAX reference runs on the device, from the raw bytes -- only for what is held as
+  f32 there (the "dense" layout). The GPU's default "device" layout never dequantizes at load: its
+  matrices stay in their blocks (kernels/qlayout.py) and the Triton matmul dequantizes in registers.
 
 Every supported type is bit-identical to `gguf.quants.dequantize` (gguf-py 0.19.0) on both paths;
 tests/test_dequant.py checks this. A type not in SUPPORTED_TYPES raises UnsupportedTensorType and never falls back.
@@ -50,7 +51,7 @@ SUPPORTED_TYPES: dict[int, str] = {
 # jax.default_backend() -> dequant path. Anything else is refused rather than guessed.
 PATH_FOR_BACKEND: dict[str, str] = {
     "cpu": "numpy",
-    "gpu": "jax-reference",  # later: the Triton twins, selected here
+    "gpu": "jax-reference",  # the "dense" layout only; the device layout keeps the blocks (kernels/ops.py)
     "cuda": "jax-reference",
     "rocm": "jax-reference",
 }
