@@ -4,8 +4,9 @@ Same signatures as the Triton kernels, and the CPU path's math (model/forward.py
 rules of llama.cpp): a query at position p sees cached cell w iff w < starts[b] (cells at or past a
 row's start are stale: another sequence's, or never written) and, with a sliding window, iff
 p - w < window (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked iff p_q - p_k >= n_swa);
-it sees the new tokens causally under the same window. The new tokens' K/V are not in the pool yet
-(the forward scatters them after attention), so they come as their own arrays; they are read as the
+it sees the new tokens causally under the same window. Cells at or past a row's start are never read,
+so the new tokens' K/V come as their own arrays (the device-layout forward has written them into the pool
+already, before each layer's attention; the stacked one writes after); they are read as the
 cache holds them, rounded to f16 (the forward has rounded them already, as llama.cpp's cache does), so
 the twins and the kernels agree whatever they are given.
 

@@ -187,10 +187,10 @@ def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array,
     x = embed(weights, tokens, config)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
     if isinstance(weights.layers, tuple):
-        x, k_new, v_new = _unrolled(weights.layers, x, pool, table, starts, n_new, ropes, config, window_pages)
+        x, pool = _unrolled(weights.layers, x, pool, table, starts, positions, n_new, ropes, config, window_pages)
     else:
         x, k_new, v_new = _scanned(weights.layers, x, pool, table, starts, positions, ropes, config, window_pages)
-    pool = _write(pool, k_new, v_new, table, positions, n_new)
+        pool = _write(pool, k_new, v_new, table, positions, n_new)
 
     if all_logits:
         return output_logits(weights, x, config), pool
@@ -228,42 +228,56 @@ def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, co
     return x, k_new, v_new
 
 
-def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, n_new, ropes, config: Config,
+def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, positions, n_new, ropes, config: Config,
               window_pages: int):
     """Device layout: one layer after another (unrolled under jit), attention through kernels.ops;
-    returns (x, k_new, v_new) as `_scanned` does."""
+    returns (x, pool), the pool holding every layer's new K/V.
+
+    Each layer writes its new K/V into the pool before its attention reads the pool (which reads only
+    the cells below each row's start, so the write changes nothing it sees): every write then comes
+    after the reads of the layers before it, by data dependence. One write at the end, as `_scanned`
+    does, is not ordered after the last layer's reads (the new K/V do not depend on them), and XLA keeps
+    those reads safe by copying the whole pool, K and V, every step: on a GPU whose pool fills most
+    of the memory, a step that runs out of it."""
     b, t, _ = x.shape
     # the kernels read the cells below each row's start from the pages of its window (at least one
     # page, so a prefill from position 0 reads an all-masked page rather than an empty table)
     window = table[:, :max(window_pages, 1)]  # [B, Wp]
-    ks, vs = [], []
+    pages, cells = _cells(pool, table, positions, n_new)
     for il, lw in enumerate(layers):
         swa = bool(config.swa_layers[il])
         kw = dict(window=config.n_swa if swa else 0, scale=config.attn_scale)
         layer = jnp.asarray(il, jnp.int32)
 
-        def attend(q, k, v, layer=layer, kw=kw):
+        def attend(q, k, v, il=il, layer=layer, kw=kw):
+            nonlocal pool
+            pool = KVPool(pool.k.at[il, pages, :, cells].set(k.astype(pool.k.dtype), mode="drop"),
+                          pool.v.at[il, pages, :, cells].set(v.astype(pool.v.dtype), mode="drop"))
             if t == 1:
                 out = ops.decode_attention(q[:, 0], k[:, 0], v[:, 0], pool.k, pool.v, layer, window, starts, **kw)
             else:
                 out = ops.prefill_attention(q, k, v, pool.k, pool.v, layer, window, starts, n_new, **kw)
             return out.reshape(b, t, config.n_head * config.head_dim)
 
-        x, k, v = _layer(x, lw, None, swa, attend, ropes, config, pool.k.dtype)
-        ks.append(k)
-        vs.append(v)
-    return x, jnp.stack(ks), jnp.stack(vs)
+        x, _, _ = _layer(x, lw, None, swa, attend, ropes, config, pool.k.dtype)
+    return x, pool
 
 
-def _write(pool: KVPool, k_new, v_new, table, positions, n_new) -> KVPool:
-    """One scatter for all layers: row b's token j goes to cell (p % P) of page table[b, p // P], p its
-    position. Padding tokens and positions past the table go to page n_pages, which is dropped."""
+def _cells(pool: KVPool, table, positions, n_new) -> tuple[jax.Array, jax.Array]:
+    """Where the new tokens go, (pages, cells) [B, T]: row b's token j to cell (p % P) of page
+    table[b, p // P], p its position. Padding tokens and positions past the table go to page n_pages,
+    which a write with mode="drop" drops."""
     t = positions.shape[1]
     page = pool.page_size
     slot = positions // page
     real = (jnp.arange(t)[None, :] < n_new[:, None]) & (slot < table.shape[1])
     pages = jnp.where(real, jnp.take_along_axis(table, jnp.minimum(slot, table.shape[1] - 1), axis=1), pool.n_pages)
-    cells = positions % page
+    return pages, positions % page
+
+
+def _write(pool: KVPool, k_new, v_new, table, positions, n_new) -> KVPool:
+    """One scatter for all layers (`_cells` says where)."""
+    pages, cells = _cells(pool, table, positions, n_new)
     # advanced indices around a slice put their dims first: the target is [B, T, L, Hkv, Dh]
     k_all = pool.k.at[:, pages, :, cells].set(jnp.moveaxis(k_new, 0, 2).astype(pool.k.dtype), mode="drop")
     v_all = pool.v.at[:, pages, :, cells].set(jnp.moveaxis(v_new, 0, 2).astype(pool.v.dtype), mode="drop")

@@ -5,6 +5,7 @@ kernels forced on (interpreted here), in `model.wiring_check.run()` as `bankml g
 from __future__ import annotations
 
 import logging
+from functools import partial
 from types import SimpleNamespace
 
 import gguf
@@ -95,6 +96,29 @@ def test_device_layout_lowers_for_cuda_with_every_dot_at_highest_precision(mixed
     loose = [line for line in dots if "precision = [HIGHEST, HIGHEST]" not in line]
     assert not loose, loose[:2]
 
+
+
+@pytest.mark.parametrize("mode", ["jnp", "triton"])
+def test_device_layout_steps_update_the_pool_in_place_without_copying_it(mixed, mode):
+    """A decode step and a prefill chunk, compiled (the kernels' custom calls, or the twins' gathers,
+    reading the pool): the scratch memory a step needs is far below the pool's size. A write of the new
+    K/V that is not ordered after the last layer's reads of the pool makes XLA copy the whole pool, K and
+    V, every step -- on a GPU whose pool takes most of the memory, a step that cannot run."""
+    config, w = load_weights(mixed, verified=True, layout="device")
+
+    def spec(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+    pool = jax.tree.map(spec, init_pool(config, 4096, 16))
+    i32 = jnp.int32
+    with ops.use(mode):
+        for b, t in ((4, 1), (1, 64)):  # decode, prefill
+            args = (jax.tree.map(spec, w), pool, jax.ShapeDtypeStruct((b, t), i32),
+                    jax.ShapeDtypeStruct((b, 16), i32), jax.ShapeDtypeStruct((b,), i32),
+                    jax.ShapeDtypeStruct((b,), i32))
+            step = jax.jit(partial(forward, config=config, window_pages=4), donate_argnums=(1,))
+            memory = step.lower(*args).compile().memory_analysis()
+            assert memory.temp_size_in_bytes < pool.k.size * pool.k.dtype.itemsize / 4, (b, t, memory)
 
 def test_engine_loads_the_device_layout_and_reports_it(tmp_path):
     path = write_tiny_gguf(tmp_path / "q8.gguf", "llama", n_layer=2, matrix_type=T.Q8_0, scale=0.3)
