@@ -63,6 +63,12 @@ from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, l
 
 log = logging.getLogger(__name__)
 
+# One program is traced and lowered at a time (XLA's compile, the long part, still runs on many threads):
+# lowering holds the GIL anyway, and on a GPU it compiles the Triton kernels, whose parse of their
+# source breaks when several threads run it at once on CPython < 3.11.8 / 3.12.2 (gh-106905: "AST
+# constructor recursion depth mismatch").
+_LOWERING = threading.Lock()
+
 PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in chunks of this many tokens
 MIN_PREFILL_BUCKET = 16
 CONTINUE_BUCKET = 64  # the smallest bucket of a prompt's rest after a reused prefix
@@ -250,7 +256,9 @@ class Engine:
             return future.result()
         try:
             t0 = time.perf_counter()
-            program = self._lower(kind, t, window).compile()
+            with _LOWERING:
+                lowered = self._lower(kind, t, window)
+            program = lowered.compile()
             spent = time.perf_counter() - t0
         except BaseException as e:
             with self._compile_lock:
