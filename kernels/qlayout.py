@@ -33,21 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kernels.dequant import SUPPORTED_TYPES
 from kernels.dequant_ref import BLOCK_LAYOUT
 
 # ggml type id -> name: the types kept as QWeights (F16/BF16/F32 stay dense arrays in the engine).
-QUANT_TYPES: dict[int, str] = {
-    2: "Q4_0",
-    3: "Q4_1",
-    6: "Q5_0",
-    7: "Q5_1",
-    8: "Q8_0",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
-}
+QUANT_TYPES: dict[int, str] = {t: name for t, name in SUPPORTED_TYPES.items() if name not in ("F32", "F16", "BF16")}
 
 # ggml type id -> the names of its planes, in order.
 PLANES: dict[int, tuple[str, ...]] = {

@@ -37,6 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import synth_gguf  # noqa: E402
 
+import kernels.paged_attention as twin  # noqa: E402
+import kernels.qlayout as qlayout  # noqa: E402
+import kernels.triton.attention as kern  # noqa: E402
+import kernels.triton.qmatmul as qmm  # noqa: E402
+
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 ON_CPU_TOO = os.environ.get("BANKML_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -91,8 +96,6 @@ def _qmatmul_cases() -> list[tuple[str, int]]:
 @pytest.mark.parametrize(("type_name", "m"), _qmatmul_cases())
 def test_qmatmul_matches_its_twin(request, type_name, m):
     compiled_triton()
-    qlayout = pytest.importorskip("kernels.qlayout", reason="kernels/qlayout.py is not on this branch")
-    qmm = pytest.importorskip("kernels.triton.qmatmul", reason="kernels/triton/qmatmul.py is not on this branch")
     qtype = Q[type_name]
     n, k = (512, 2048) if ON_GPU else (64, 256)
     rng = np.random.default_rng(m)
@@ -142,8 +145,6 @@ def _attention_inputs(h: int, hkv: int, dh: int, t: int | None):
 @pytest.mark.parametrize(("h", "hkv", "dh"), ATTN_SHAPES)
 def test_decode_attention_matches_its_twin(request, h, hkv, dh, window):
     compiled_triton()
-    twin = pytest.importorskip("kernels.paged_attention", reason="kernels/paged_attention.py is not on this branch")
-    kern = pytest.importorskip("kernels.triton.attention", reason="kernels/triton/attention.py is not on this branch")
     args, scale = _attention_inputs(h, hkv, dh, None)
     got = jax.block_until_ready(jax.jit(kern.decode_attention, static_argnames=("window", "scale"))(
         *args, window=window, scale=scale))
@@ -158,8 +159,6 @@ def test_decode_attention_matches_its_twin(request, h, hkv, dh, window):
 @pytest.mark.parametrize(("h", "hkv", "dh"), ATTN_SHAPES)
 def test_prefill_attention_matches_its_twin(request, h, hkv, dh, window):
     compiled_triton()
-    twin = pytest.importorskip("kernels.paged_attention", reason="kernels/paged_attention.py is not on this branch")
-    kern = pytest.importorskip("kernels.triton.attention", reason="kernels/triton/attention.py is not on this branch")
     t = 32 if ON_GPU else 16
     args, scale = _attention_inputs(h, hkv, dh, t)
     n_new = jnp.asarray(np.array([t, t // 2 + 1, 1, 0], np.int32))  # the last row is all padding
