@@ -320,9 +320,8 @@ def _present(v: Any) -> bool:
     return v not in (None, False, "", [], {})
 
 
-def spec_from_request(body: Mapping[str, Any]) -> ModelSpec:
-    """`POST /api/create`'s structured form `{model, from, system, template, license, parameters, messages}`
-    (what the ollama client sends) to a ModelSpec; `files`, `adapters` and `quantize` refused with the reason."""
+def refuse_uploads(body: Mapping[str, Any]) -> None:
+    """`files`, `adapters` and `quantize` of `POST /api/create`, present (not null, false, "", [] or {}): refused."""
     if _present(body.get("files")):
         raise InvalidRequest("files: bankml does not take uploaded blobs; FROM a GGUF pinned in the registry "
                              "(its FORK.json beside it), by name or path")
@@ -332,6 +331,12 @@ def spec_from_request(body: Mapping[str, Any]) -> ModelSpec:
     if _present(body.get("quantize")):
         raise InvalidRequest("quantize: bankml serves the weights it pinned, as pinned; quantizing makes a new "
                              "file, which must be pinned on its own")
+
+
+def spec_from_request(body: Mapping[str, Any]) -> ModelSpec:
+    """`POST /api/create`'s structured form `{model, from, system, template, license, parameters, messages}`
+    (what the ollama client sends) to a ModelSpec; `files`, `adapters` and `quantize` refused with the reason."""
+    refuse_uploads(body)
     base = body.get("from")
     if not isinstance(base, str) or not base.strip():
         raise InvalidRequest("from: name the base (a pinned model's name, a derived model, or a pinned GGUF's "
