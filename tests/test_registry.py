@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -193,11 +195,16 @@ def test_human_number_as_ollama():
 def test_twenty_pins_build_from_headers_only(tmp_path, tiny_file):
     gated = startup(tmp_path / "start")
     pin_files(tmp_path / "reg", "many", {f"M{i:02d}.gguf": tiny_file for i in range(20)})
-    Registry(gated, None)  # the first build imports the engine's type table
     t = time.perf_counter()
     reg = Registry(gated, str(tmp_path / "reg"))
     assert time.perf_counter() - t < 0.5
     assert len(reg.pins) == 21 and all(p.native for p in reg.pins)
+
+
+def test_judging_headers_imports_no_jax():
+    code = "import sys, gateway.registry, gateway.ollama_models; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- resolution -------------------------------------------------------------------------------------
