@@ -273,7 +273,10 @@ class Registry:
             except (OSError, UnicodeDecodeError) as e:
                 log.warning("%s skipped: %s", fork_path, e)
                 continue
-            for entry in _fork_files(text):
+            entries = _fork_files(text)
+            if not entries:
+                log.warning("%s pins no .gguf file: skipped", fork_path)
+            for entry in entries:
                 file_name = os.path.basename(entry)
                 name = model_name(file_name)
                 if not name or name in seen:
@@ -281,7 +284,8 @@ class Registry:
                 seen.add(name)
                 found = [p for p in (os.path.join(beside, file_name), os.path.join(directory, file_name))
                          if os.path.isfile(p)]
-                self.pins.append(make_pin(file_name, pinned_sha256(text, entry), text, fork_path,
+                # the load pins the basename (bankml.pin.pin), so the record must be under it
+                self.pins.append(make_pin(file_name, pinned_sha256(text, file_name), text, fork_path,
                                           found[0] if found else None, rule_set))
         self.derived = DerivedStore(directory)
         self.derived.load(self.pins)

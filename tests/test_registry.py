@@ -124,6 +124,23 @@ def test_absent_and_unpinned_files_are_listed_with_their_reason(tmp_path, tiny_f
     assert bad.info is not None  # the header is still described
 
 
+def test_records_are_matched_by_basename_and_bad_forks_skipped(tmp_path, tiny_file):
+    gated = startup(tmp_path / "start")
+    reg_dir = tmp_path / "reg"
+    reg_dir.mkdir()
+    shutil.copyfile(tiny_file, reg_dir / "Deep.gguf")
+    sha = fork_record(reg_dir / "Deep.gguf")["files"][0]["sha256"]
+    # a path with a folder names the file by its basename; its record must be under the basename (what a
+    # load pins), so this one is listed as unpinned
+    (reg_dir / "a.FORK.json").write_text(json.dumps({"files": [{"path": "sub/Deep.gguf", "sha256": sha}]}))
+    (reg_dir / "b.FORK.json").write_text("{not json")
+    (reg_dir / "c.FORK.json").write_bytes(b"\xff\xfe")
+    reg = Registry(gated, str(reg_dir))
+    assert reg.names() == ["startup-model.q8_0", "deep"]
+    deep = reg.pin("deep")
+    assert deep.path == str(reg_dir / "Deep.gguf") and not deep.native and "unpinned" in deep.reason
+
+
 def test_guard_refused_file_is_never_read_further(tmp_path):
     gated = startup(tmp_path / "start")
     junk = tmp_path / "junk.gguf"
