@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,6 +124,23 @@ def test_absent_and_unpinned_files_are_listed_with_their_reason(tmp_path, tiny_f
     assert bad.info is not None  # the header is still described
 
 
+def test_records_are_matched_by_basename_and_bad_forks_skipped(tmp_path, tiny_file):
+    gated = startup(tmp_path / "start")
+    reg_dir = tmp_path / "reg"
+    reg_dir.mkdir()
+    shutil.copyfile(tiny_file, reg_dir / "Deep.gguf")
+    sha = fork_record(reg_dir / "Deep.gguf")["files"][0]["sha256"]
+    # a path with a folder names the file by its basename; its record must be under the basename (what a
+    # load pins), so this one is listed as unpinned
+    (reg_dir / "a.FORK.json").write_text(json.dumps({"files": [{"path": "sub/Deep.gguf", "sha256": sha}]}))
+    (reg_dir / "b.FORK.json").write_text("{not json")
+    (reg_dir / "c.FORK.json").write_bytes(b"\xff\xfe")
+    reg = Registry(gated, str(reg_dir))
+    assert reg.names() == ["startup-model.q8_0", "deep"]
+    deep = reg.pin("deep")
+    assert deep.path == str(reg_dir / "Deep.gguf") and not deep.native and "unpinned" in deep.reason
+
+
 def test_guard_refused_file_is_never_read_further(tmp_path):
     gated = startup(tmp_path / "start")
     junk = tmp_path / "junk.gguf"
@@ -193,11 +212,16 @@ def test_human_number_as_ollama():
 def test_twenty_pins_build_from_headers_only(tmp_path, tiny_file):
     gated = startup(tmp_path / "start")
     pin_files(tmp_path / "reg", "many", {f"M{i:02d}.gguf": tiny_file for i in range(20)})
-    Registry(gated, None)  # the first build imports the engine's type table
     t = time.perf_counter()
     reg = Registry(gated, str(tmp_path / "reg"))
     assert time.perf_counter() - t < 0.5
     assert len(reg.pins) == 21 and all(p.native for p in reg.pins)
+
+
+def test_judging_headers_imports_no_jax():
+    code = "import sys, gateway.registry, gateway.ollama_models; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- resolution -------------------------------------------------------------------------------------
