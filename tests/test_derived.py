@@ -341,6 +341,6 @@ def test_show_fields_regenerate_the_modelfile(registry):
     assert f["parameters"] == "temperature                    0.7\nstop                           \"<|im_end|>\""
     assert f["system"] == 'two\nlines "q" ' and f["license"] == "MIT"
     assert f["messages"] == [{"role": "user", "content": "hi"}] and f["modified_at"] == d.created_at
-    assert f["details"] == {"parent_model": "base-model.q8_0:latest"}
+    assert "details" not in f  # /api/show sets details.parent_model over the base's details
     assert f["bankml"]["layer"] == {"derived": True, "digest": d.digest, "base_sha256": d.base_sha256,
                                     "base_fork": f"{BASE}.FORK.json"}
