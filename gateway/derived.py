@@ -349,7 +349,7 @@ def _resolve_from(registry: Any, value: str, base_dir: str | None) -> tuple[Any,
         return pin, None
     try:
         resolved = registry.resolve(value)
-    except ModelNotFound as e:
+    except BankmlError as e:  # not found, or a derived model refused (edited by hand, its base changed)
         raise InvalidRequest(f"FROM {value}: {e.message}") from None
     return resolved.pin, resolved.derived
 

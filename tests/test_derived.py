@@ -238,6 +238,14 @@ def test_a_hand_edited_manifest_is_refused(registry, reg_dir, caplog):
         read_manifest(str(path))
 
 
+def test_from_a_tampered_derived_model_is_refused(registry, reg_dir):
+    run(registry, "src", "FROM base-model.q8_0\nSYSTEM x\n")
+    path = reg_dir / "src.MODEL.json"
+    path.write_text(path.read_text().replace('"system": "x"', '"system": "y"'))
+    with pytest.raises(InvalidRequest, match="FROM src: src.MODEL.json was edited by hand"):
+        run(registry, "dst", "FROM src\n")
+
+
 def test_a_base_whose_pin_changed_is_refused_naming_both(registry, reg_dir, startup_gated):
     run(registry, "bound", "FROM base-model.q8_0\n")
     old = registry.pin("base-model.q8_0").sha256
