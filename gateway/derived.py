@@ -321,7 +321,8 @@ def _fork_name(registry: Any, pin: Any) -> str:
                 continue
     if not candidates:
         raise InvalidRequest(f"{pin.file_name}: its FORK.json is not in the registry directory "
-                             f"{registry.directory}; a derived model records its base's pin there")
+                             f"{registry.directory}; a derived model records its base's pin there (copy the "
+                             "FORK.json that pins it into that directory)")
     fork = os.path.abspath(candidates[0])
     inside = registry.directory and os.path.dirname(fork) == os.path.abspath(registry.directory)
     return os.path.basename(fork) if inside else fork
