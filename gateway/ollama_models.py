@@ -19,6 +19,7 @@ import numpy as np
 from bankml import __version__, jstr
 from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from gateway.chat_request import parse_body
+from gateway.derived import Derived, show_fields
 from gateway.errors import json_response
 from gateway.registry import Pin, Registry, model_name
 from gateway.request_fields import gguf_defaults
@@ -62,10 +63,10 @@ def tag_entry(pin: Pin) -> dict:
             "digest": pin.sha256, "details": details(pin), "bankml": _bankml_listing(pin)}
 
 
-def _derived_with_base(registry: Registry) -> list[tuple[Any, Pin]]:
+def _derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
     out = []
     for d in registry.derived.all():
-        base = registry.pin(d.base_name)
+        base = registry.derived.base_pin(d)
         if base is not None:
             out.append((d, base))
     return out
@@ -115,10 +116,8 @@ def show_pin(pin: Pin, n_ctx: int | None) -> dict:
     }
 
 
-def show_derived(d: Any, base: Pin, n_ctx: int | None) -> dict:
+def show_derived(d: Derived, base: Pin, n_ctx: int | None) -> dict:
     """The base's answer with what the derived model changes (DERIVED's show_fields)."""
-    from gateway.derived import show_fields
-
     out = show_pin(base, n_ctx)
     out["details"] = details(base, base.tag)
     out["modified_at"] = d.created_at

@@ -21,6 +21,7 @@ from bankml.errors import BankmlError, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
 from gateway import ollama_models
+from gateway.derived import create
 from gateway.errors import Api, status_of
 from gateway.registry import Registry
 
@@ -220,3 +221,66 @@ def test_copied_startup_file_keeps_one_listing(tmp_path, registry):
     shutil.copyfile(fork, tmp_path / "d" / "Same.gguf.FORK.json")
     reg = Registry(gate_model(str(model), fork.read_text()), str(tmp_path / "d"))
     assert [m["name"] for m in ollama_models.tags_body(reg)["models"]] == ["same:latest"]
+
+
+# --- derived models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def with_derived(tmp_path) -> Registry:
+    model, fork = tiny_model(tmp_path / "start", "Start.gguf")
+    reg_dir = tmp_path / "dir"
+    base, base_fork = tiny_model(reg_dir, "Base-Q8_0.gguf")
+    reg = Registry(gate_model(str(model), fork.read_text()), str(reg_dir))
+    steps = list(create(reg, "persona", 'FROM base-q8_0\nSYSTEM "be brief"\nPARAMETER temperature 0.25\n'
+                                        "LICENSE MIT\n"))
+    assert steps[-1] == "success"
+    return reg
+
+
+def test_tags_and_v1_list_a_derived_model_after_the_pins(with_derived):
+    reg = with_derived
+    base, d = reg.pin("base-q8_0"), reg.derived.get("persona")
+    models = json.loads(call(ollama_models.tags, state_of(reg)))["models"]
+    assert [m["name"] for m in models] == ["start:latest", "base-q8_0:latest", "persona:latest"]
+    pin_entry, entry = models[1], models[2]
+    assert list(entry) == list(pin_entry)
+    assert entry["modified_at"] == d.created_at and RFC3339_NS.match(entry["modified_at"])
+    assert entry["size"] == base.size and entry["digest"] == d.digest and d.digest.startswith("sha256:")
+    assert entry["details"] == {**pin_entry["details"], "parent_model": "base-q8_0:latest"}
+    assert entry["bankml"] == pin_entry["bankml"]  # only the four fields differ
+    assert {k for k in entry if entry[k] != pin_entry[k]} == {"name", "model", "modified_at", "digest", "details"}
+    assert ollama_models.v1_models_data(reg)[-1] == {"id": "persona:latest", "object": "model", "owned_by": "bankML"}
+
+
+def test_show_a_derived_model(with_derived):
+    reg = with_derived
+    d = reg.derived.get("persona")
+    base_out = json.loads(call(ollama_models.show, state_of(reg), b'{"model": "base-q8_0"}'))
+    text = call(ollama_models.show, state_of(reg), b'{"model": "persona:latest"}')
+    out = json.loads(text)
+    assert list(out) == ["license", "modelfile", "parameters", "template", "system", "details", "model_info",
+                         "capabilities", "modified_at", "bankml"]
+    assert out["system"] == "be brief" and out["license"] == "MIT"
+    assert out["parameters"] == "temperature                    0.25"  # keys padded to 30
+    assert out["modelfile"].startswith("# bankml") and "FROM base-q8_0" in out["modelfile"]
+    assert out["details"] == {**base_out["details"], "parent_model": "base-q8_0:latest"}
+    assert out["model_info"] == base_out["model_info"] and out["template"] == base_out["template"]
+    assert out["modified_at"] == d.created_at
+    assert out["bankml"] == {**base_out["bankml"], "layer": {"derived": True, "digest": d.digest,
+                                                            "base_sha256": d.base_sha256, "base_fork": d.base_fork}}
+    shown = ollama.ShowResponse.model_validate_json(text)
+    assert shown.license == "MIT" and shown.details.parent_model == "base-q8_0:latest"
+
+
+def test_ps_shows_the_derived_name_the_last_request_used(with_derived):
+    reg = with_derived
+    base, d = reg.pin("base-q8_0"), reg.derived.get("persona")
+    rec = record(base, shown_as="persona:latest")
+    entry = json.loads(call(ollama_models.ps, state_of(reg, FakeResidency([rec]))))["models"][0]
+    assert (entry["name"], entry["model"], entry["digest"]) == ("persona:latest", "persona:latest", d.digest)
+    assert entry["details"]["parent_model"] == "base-q8_0:latest"
+    # the same record over other weights falls back to that pin's tag
+    other = record(reg.startup, shown_as="persona:latest")
+    entry = json.loads(call(ollama_models.ps, state_of(reg, FakeResidency([other]))))["models"][0]
+    assert (entry["name"], entry["digest"]) == ("start:latest", reg.startup.sha256)
