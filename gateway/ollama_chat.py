@@ -62,7 +62,7 @@ async def generate(request, state):
 
 def server_ctx(state) -> int:
     """--ctx: what every resident model's engine holds, and the most num_ctx may ask for."""
-    return state.residency.n_ctx
+    return state.residency.ctx
 
 
 async def _answer(request, state, kind: str):

@@ -3,11 +3,19 @@ the fake engine (gateway/ollama_chat.py), with the real `ollama` client too."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import json
 import re
 from datetime import UTC, datetime
+from types import SimpleNamespace
+
+import pytest
 
 from bankml import jstr
+from bankml.errors import EngineFailed, InvalidRequest
+from gateway import ollama_chat
 from gateway.ollama_shapes import created_at, final_object, logprob_entry, piece_line
 from model.messages import FinishReason, LogprobEntry, StepOutput, Timeline, TopLogprob
 
@@ -93,3 +101,250 @@ def test_the_logprobs_hash_covers_the_array_as_written():
     lines = [piece_line("m:latest", "chat", "a", entries[:1]), piece_line("m:latest", "chat", "b", entries[1:])]
     arrays = [re.search(rb'"logprobs": (\[.*\])\}', line).group(1).decode() for line in lines]
     assert "[" + ", ".join(a[1:-1] for a in arrays) + "]" == jstr.dumps(entries)
+
+
+# --- the handler over stubs: what the fake engine cannot produce (logprobs, held text, failures) -------
+
+
+class _Model:
+    """NativeModel's surface: one token per character."""
+
+    n_ctx = 4096
+    count_limit = 2 * 4096 + 1024
+
+    def render(self, messages, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def tokenize(self, text, add_special, parse_special, limit=None):
+        return [ord(c) for c in text]
+
+
+class _Client:
+    failure = None
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+        self.requests = []
+
+    def generate(self, request):
+        self.requests.append(request)
+        client = self
+
+        class _Gen:
+            async def __aenter__(self):
+                async def it():
+                    for out in client.outputs:
+                        yield out
+                return it()
+
+            async def __aexit__(self, *exc):
+                return None
+
+        return _Gen()
+
+
+class _Residency:
+    ctx = 4096
+    default_keep_alive_s = 300.0
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.calls = []
+
+    @contextlib.asynccontextmanager
+    async def lease(self, pin):
+        self.calls.append(("lease", pin.name))
+        yield SimpleNamespace(loaded=self.loaded, load_ns=1234, reloaded=True)
+        self.calls.append(("release", pin.name))
+
+    def record_shown(self, name, shown_as, num_ctx, reloaded):
+        self.calls.append(("shown", name, shown_as, num_ctx, reloaded))
+
+    def touch(self, name, keep_alive_s):
+        self.calls.append(("touch", name, keep_alive_s))
+
+    async def unload(self, name):
+        self.calls.append(("unload", name))
+        return True
+
+
+class _Monitoring:
+    def __init__(self):
+        self.records = []
+
+    def answer(self):
+        monitoring = self
+
+        class _A:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def record(self, model, last):
+                monitoring.records.append((model, last.completion_tokens))
+
+        return _A()
+
+
+class _Stream:
+    def __init__(self):
+        self.data = bytearray()
+        self.content_type = None
+        self.ended = False
+
+    async def send(self, data):
+        self.data += data
+
+    async def eof(self):
+        self.ended = True
+
+
+class _Request:
+    def __init__(self, body: dict, path="/api/chat"):
+        self.body = json.dumps(body).encode()
+        self.path = path
+        self.stream = _Stream()
+
+    async def respond(self, content_type=None, headers=None):
+        self.stream.content_type = content_type
+        return self.stream
+
+
+def _state(outputs):
+    from test_ollama_request import FakeRegistry
+
+    loaded = SimpleNamespace(model=_Model(), client=_Client(outputs), file_name="SmolLM2.Q4_1.gguf",
+                             backend="fake", verified=SimpleNamespace(model_sha256="ab" * 32))
+    return SimpleNamespace(registry=FakeRegistry(), residency=_Residency(loaded), monitoring=_Monitoring())
+
+
+TL = Timeline(queued_s=1.0, started_s=1.0, first_token_s=1.1, first_text_s=1.1, ended_s=1.3)
+
+
+def _entry(token: int, text: bytes, lp: float) -> LogprobEntry:
+    return LogprobEntry(token, text, lp, (TopLogprob(token, text, lp), TopLogprob(5, b"z", lp - 1)))
+
+
+def _run(handler, request, state):
+    return asyncio.run(handler(request, state))
+
+
+def test_streamed_logprobs_ride_on_their_lines_and_the_hash_covers_them():
+    outputs = [StepOutput(1, text="", logprobs=_entry(1, b"", -0.1)),  # the first token: a line without text
+               StepOutput(2, text="Hi", logprobs=_entry(2, b"Hi", -0.2)),
+               StepOutput(3, text="", logprobs=_entry(3, b"", -0.3)),  # held back: no line, no entry
+               StepOutput(4, text=" you", logprobs=_entry(4, b" you", -0.4), finish_reason=FinishReason.STOP,
+                          prompt_tokens=9, completion_tokens=4, timeline=TL)]
+    state = _state(outputs)
+    request = _Request({"messages": [{"role": "user", "content": "hello"}], "logprobs": True, "top_logprobs": 1})
+    assert _run(ollama_chat.chat, request, state) is None
+    assert request.stream.content_type == "application/x-ndjson" and request.stream.ended
+    raw_lines = bytes(request.stream.data).split(b"\n")
+    assert raw_lines[-1] == b""
+    lines = [json.loads(x) for x in raw_lines[:-1]]
+    assert [x["message"]["content"] for x in lines] == ["", "Hi", " you", ""]
+    assert [len(x.get("logprobs", [])) for x in lines] == [1, 1, 1, 0]
+    assert lines[1]["logprobs"] == [{"token": "Hi", "logprob": -0.2, "bytes": [72, 105],
+                                     "top_logprobs": [{"token": "Hi", "logprob": -0.2, "bytes": [72, 105]}]}]
+    final = lines[-1]
+    assert final["done"] is True and final["eval_count"] == 4 and "logprobs" not in final
+    arrays = [re.search(rb'"logprobs": (\[.*\])\}', x).group(1).decode() for x in raw_lines[:3]]
+    joined = "[" + ", ".join(a[1:-1] for a in arrays) + "]"
+    receipt = final["bankml_receipt"]
+    assert receipt["logprobs_sha256"] == hashlib.sha256(joined.encode()).hexdigest()
+    assert receipt["response_sha256"] == hashlib.sha256(b"Hi you").hexdigest()
+    assert receipt["request_sha256"] == hashlib.sha256(request.body).hexdigest()
+    assert state.monitoring.records == [("SmolLM2.Q4_1", 4)]
+    # the request the engine got: the template's prompt, n_probs = max(top, 1)
+    sent = state.residency.loaded.client.requests[0]
+    assert sent.prompt_tokens == [ord(c) for c in "<user>hello<assistant>"] and sent.params.n_probs == 1
+    calls = state.residency.calls
+    assert calls[0] == ("lease", "smollm2") and calls[1] == ("shown", "smollm2", "smollm2:latest", 4096, True)
+    assert calls[-1] == ("touch", "smollm2", 300.0)  # after the lease went back
+    assert calls.index(("release", "smollm2")) < len(calls) - 1
+
+
+def test_whole_answer_keeps_held_text_trims_the_stop_words_entries_and_hashes_the_body_array():
+    outputs = [StepOutput(1, text="Hi", logprobs=_entry(1, b"Hi", -0.2)),
+               StepOutput(2, text="", logprobs=_entry(2, b"", -0.3)),
+               StepOutput(3, text="", logprobs=_entry(3, b"", -0.4), finish_reason=FinishReason.STOP,
+                          logprobs_trim=2, prompt_tokens=9, completion_tokens=3, timeline=TL)]
+    state = _state(outputs)
+    request = _Request({"model": "smollm2", "prompt": "hello", "stream": False, "logprobs": True,
+                        "options": {"stop": ["END"]}}, "/api/generate")
+    response = _run(ollama_chat.generate, request, state)
+    body = response.body.decode()
+    obj = json.loads(body)
+    assert list(obj) == ["model", "created_at", "response", *FINAL_KEYS[3:-1], "logprobs", "bankml_receipt"]
+    assert obj["response"] == "Hi" and [e["token"] for e in obj["logprobs"]] == ["Hi"]
+    array = re.search(r'"logprobs": (\[.*?\]), "bankml_receipt"', body).group(1)
+    assert obj["bankml_receipt"]["logprobs_sha256"] == hashlib.sha256(array.encode()).hexdigest()
+    assert state.residency.loaded.client.requests[0].params.stop == ("END",)
+
+    held = [StepOutput(1, text="Hi", finish_reason=FinishReason.LENGTH, held_text=" EN", completion_tokens=1,
+                       timeline=TL)]
+    state = _state(held)
+    obj = json.loads(_run(ollama_chat.generate, _Request({"prompt": "x", "stream": False}), state).body)
+    assert obj["response"] == "Hi EN" and obj["done_reason"] == "length"
+    assert obj["bankml_receipt"]["response_sha256"] == hashlib.sha256(b"Hi EN").hexdigest()
+    assert "logprobs" not in obj and "logprobs_sha256" not in obj["bankml_receipt"]
+    # streamed, the held text is the last piece
+    state = _state(held)
+    request = _Request({"prompt": "x"}, "/api/generate")
+    _run(ollama_chat.generate, request, state)
+    lines = [json.loads(x) for x in bytes(request.stream.data).splitlines()]
+    assert [x["response"] for x in lines] == ["Hi EN", ""]
+
+
+def test_an_engine_failure_mid_stream_is_an_error_line_and_before_it_a_500():
+    failing = [StepOutput(1, text="Hi"), StepOutput(None, finish_reason=FinishReason.ERROR, error="boom")]
+    state = _state(failing)
+    request = _Request({"messages": [{"role": "user", "content": "x"}]})
+    _run(ollama_chat.chat, request, state)
+    lines = [json.loads(x) for x in bytes(request.stream.data).splitlines()]
+    assert lines[-1] == {"error": "boom"} and lines[0]["message"]["content"] == "Hi"
+    assert state.monitoring.records == []
+    with pytest.raises(EngineFailed, match="boom"):
+        _run(ollama_chat.chat, _Request({"messages": [{"role": "user", "content": "x"}], "stream": False}),
+             _state(failing))
+    with pytest.raises(EngineFailed):  # nothing sent yet: the status is the error's
+        _run(ollama_chat.chat, _Request({"messages": [{"role": "user", "content": "x"}]}), _state(failing[1:]))
+
+
+def test_an_empty_prompt_loads_or_unloads_without_checks():
+    state = _state([])
+    response = _run(ollama_chat.chat, _Request({"messages": [], "keep_alive": "10m",
+                                                "options": {"num_ctx": 1024, "bogus": 1}}), state)
+    assert response.content_type == "application/x-ndjson" and response.body.endswith(b"}\n")
+    obj = json.loads(response.body)
+    assert list(obj) == ["model", "created_at", "message", "done", "done_reason", "total_duration", "load_duration"]
+    assert obj["done_reason"] == "load" and obj["load_duration"] == 1234
+    assert state.residency.calls == [("lease", "smollm2"), ("shown", "smollm2", "smollm2:latest", 4096, True),
+                                     ("release", "smollm2"), ("touch", "smollm2", 600.0)]
+    state = _state([])
+    response = _run(ollama_chat.generate, _Request({"model": "smollm2", "keep_alive": 0, "stream": False},
+                                                   "/api/generate"), state)
+    obj = json.loads(response.body)
+    assert response.content_type == "application/json" and obj["done_reason"] == "unload"
+    assert obj["load_duration"] == 0 and obj["response"] == ""
+    assert state.residency.calls == [("unload", "smollm2")]
+    state = _state([])
+    _run(ollama_chat.chat, _Request({"options": {"num_ctx": 1024}}), state)
+    assert ("shown", "smollm2", "smollm2:latest", 1024, True) in state.residency.calls
+
+
+def test_a_refusal_comes_before_any_lease():
+    state = _state([])
+    with pytest.raises(InvalidRequest, match="^options.bogus"):
+        _run(ollama_chat.chat, _Request({"messages": [{"role": "user", "content": "x"}], "options": {"bogus": 1}}),
+             state)
+    assert state.residency.calls == []
+
+
+def test_refused_routes_say_why():
+    for path, words in (("/api/embed", "no embeddings yet"), ("/api/embeddings", "no embeddings yet"),
+                        ("/api/pull", "sha256-pinned"), ("/api/push", "publishes nothing")):
+        with pytest.raises(InvalidRequest, match=words):
+            _run(ollama_chat.refused, _Request({}, path), None)
