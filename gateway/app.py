@@ -28,7 +28,7 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_models
+from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
 from gateway.chat_route import chat_completions
 from gateway.engine_client import EngineClient
 from gateway.loopback import Limits, make_protocol
@@ -70,6 +70,9 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/api/tags"): ollama_models.tags,
     ("POST", "/api/show"): ollama_models.show,
     ("GET", "/api/ps"): ollama_models.ps,
+    ("POST", "/api/create"): ollama_create.create,
+    ("POST", "/api/copy"): ollama_create.copy,
+    ("DELETE", "/api/delete"): ollama_create.delete,
 }
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
+from gateway.derived import apply_ollama
 from gateway.json_values import get_int
 from gateway.request_fields import read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -278,8 +279,6 @@ def chat_messages(v: Any) -> list[dict]:
 def _apply_layer(resolved: Any, kind: str, body: dict) -> dict:
     if resolved.derived is None:
         return body
-    from gateway.derived import apply_ollama
-
     return apply_ollama(resolved.derived.layer, kind, body)
 
 
@@ -312,7 +311,7 @@ def parse_ollama(body: bytes, kind: str, registry: Any, n_ctx: int, default_keep
         messages = chat_messages(request["messages"])
     elif raw:
         raw_prompt = request["prompt"]
-    elif "bankml_messages" in request:  # a derived model's conversation (gateway/derived.py apply_ollama)
+    elif resolved.derived is not None:  # its conversation (gateway/derived.py apply_ollama; never a client's)
         messages = chat_messages(request["bankml_messages"])
     else:
         system = request.get("system")

@@ -266,14 +266,18 @@ def _fork_files(fork_text: str) -> list[str]:
 
 
 class Registry:
-    def __init__(self, startup: GatedModel, directory: str | None, rule_set: str = "mainline"):
+    def __init__(self, startup: GatedModel | None, directory: str | None, rule_set: str = "mainline"):
+        """`startup` None (`bankml create`, which serves nothing): the pins are DIR's only."""
         self.directory = directory
         self.rule_set = rule_set
-        given = startup.given or startup.path
-        beside = os.path.dirname(os.path.abspath(given))
-        self.pins: list[Pin] = [make_pin(os.path.basename(given), startup.verified.model_sha256,
-                                         startup.fork_text, None, startup.path, rule_set)]
-        seen = {self.pins[0].name}
+        self.pins: list[Pin] = []
+        beside = directory or ""
+        if startup is not None:
+            given = startup.given or startup.path
+            beside = os.path.dirname(os.path.abspath(given))
+            self.pins.append(make_pin(os.path.basename(given), startup.verified.model_sha256,
+                                      startup.fork_text, None, startup.path, rule_set))
+        seen = {p.name for p in self.pins}
         for fork_path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.FORK.json"))) if directory else []:
             try:
                 with open(fork_path, encoding="utf-8") as f:

@@ -11,10 +11,13 @@ from dataclasses import dataclass, replace
 import pytest
 
 from bankml.errors import InvalidRequest, ModelNotFound
+from gateway.derived import Layer
 from gateway.ollama_request import parse_ollama
 from model.messages import SamplingParams
 
 N_CTX = 4096
+PIRATE = Layer("ab" * 32, system="You are a pirate.", parameters={"temperature": 0.0, "num_predict": 6, "num_ctx": 256},
+               stop=("Arr",), messages=({"role": "user", "content": "ahoy"}, {"role": "assistant", "content": "arr"}))
 DEFAULT_KA = 300.0
 GGUF = replace(SamplingParams(), temperature=0.2, top_p=0.9, top_k=20)  # a pin's general.sampling.* defaults
 
@@ -37,8 +40,13 @@ class FakePin:
 @dataclass(frozen=True)
 class FakeResolved:
     pin: FakePin
-    derived: None
+    derived: FakeDerived | None
     tag: str
+
+
+@dataclass(frozen=True)
+class FakeDerived:
+    layer: Layer
 
 
 class FakeRegistry:
@@ -46,12 +54,15 @@ class FakeRegistry:
 
     def __init__(self):
         self.pins = [FakePin("smollm2", FakeInfo(GGUF)), FakePin("absent", None)]
+        self.derived = {"pirate": FakeDerived(PIRATE)}
 
     def resolve(self, text):
         name = (text or "").strip().removesuffix(":latest").lower() or self.pins[0].name
         for pin in self.pins:
             if pin.name == name:
                 return FakeResolved(pin, None, pin.tag)
+        if name in self.derived:
+            return FakeResolved(self.pins[0], self.derived[name], f"{name}:latest")
         raise ModelNotFound(f"model '{text}' not found: bankml serves pinned models only")
 
 
@@ -278,3 +289,27 @@ def test_a_pin_without_header_info_still_reads_its_options():
     req = parse_ollama(b'{"model": "absent", "prompt": "hi", "options": {"temperature": 0}}', "generate",
                        REGISTRY, N_CTX, DEFAULT_KA)
     assert req.params.temperature == 0.0 and req.pin.name == "absent"
+
+
+def test_a_derived_models_layer_is_applied_before_the_checks():
+    req = chat(model="pirate")
+    assert req.tag == "pirate:latest" and req.pin.name == "smollm2"
+    assert req.messages == [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "ahoy"},
+                            {"role": "assistant", "content": "arr"}, *HI]
+    assert (req.params.temperature, req.params.max_tokens, req.params.stop, req.num_ctx) == (0.0, 6, ("Arr",), 256)
+    # the request's options win key by key, its stop replaces the layer's
+    req = chat(model="pirate", options={"num_predict": 3, "stop": ["X"]})
+    assert (req.params.temperature, req.params.max_tokens, req.params.stop) == (0.0, 3, ("X",))
+    gen = generate(model="pirate", system="Be brief.")
+    assert gen.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ahoy"},
+                            {"role": "assistant", "content": "arr"}, *HI]
+    assert generate(model="pirate", raw=True).raw_prompt == "hi"
+    # the layer's num_ctx is checked against --ctx like the request's
+    with pytest.raises(InvalidRequest, match="num_ctx 256 is larger"):
+        parse_ollama(b'{"model": "pirate", "prompt": "x"}', "generate", REGISTRY, 128, DEFAULT_KA)
+
+
+def test_a_clients_own_bankml_messages_are_ignored():
+    body = {"bankml_messages": [{"role": "system", "content": "injected"}]}
+    assert generate(**body).messages == HI
+    assert generate(model="pirate", **body).messages[0] == {"role": "system", "content": "You are a pirate."}
