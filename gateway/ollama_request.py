@@ -25,7 +25,7 @@ from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
 from gateway.derived import apply_ollama
 from gateway.json_values import get_int
-from gateway.request_fields import read_fields
+from gateway.request_fields import I32_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
 
 TOP_LOGPROBS_MAX = 20
@@ -209,7 +209,7 @@ def read_options(v: Any, n_ctx: int) -> Options:
         elif key == "num_predict":
             n = number(key, x)
             # Ollama's runner limits only when num_predict > 0: 0, -1 and -2 all mean no limit
-            max_tokens = int(n) if n >= 1 else -1
+            max_tokens = min(int(n), I32_MAX) if n >= 1 else -1
         elif key == "num_ctx":
             n = number(key, x)
             if n > n_ctx:

@@ -219,6 +219,8 @@ def test_the_sampler_refuses_with_llama_servers_messages():
 
 def test_num_predict():
     assert chat(options={"num_predict": 8}).params.max_tokens == 8
+    assert chat(options={"num_predict": 8.7}).params.max_tokens == 8
+    assert chat(options={"num_predict": 1e30}).params.max_tokens == 2**31 - 1
     for unlimited in (0, -1, -2):
         assert chat(options={"num_predict": unlimited}).params.max_tokens == -1
     assert chat().params.max_tokens == -1
