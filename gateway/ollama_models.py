@@ -10,7 +10,6 @@ Key orders are Ollama's (api/types.go), since clients and tests compare the byte
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from gateway.chat_request import parse_body
 from gateway.derived import Derived, show_fields
 from gateway.errors import json_response
+from gateway.ollama_shapes import created_at
 from gateway.registry import Pin, Registry, model_name
 from gateway.request_fields import gguf_defaults
 
@@ -29,15 +29,6 @@ PIN_STOP = "<|im_end|>"  # /api/show's parameters name this stop for every pin (
 # ShowResponse's field order (api/types.go), then ours
 SHOW_ORDER = ("license", "modelfile", "parameters", "template", "system", "details", "messages", "model_info",
               "capabilities", "modified_at", "bankml")
-
-
-def created_at(t: float) -> str:
-    """RFC3339 in UTC with exactly 9 fractional digits and "Z" (Ollama's time.Time in JSON)."""
-    s = math.floor(t)
-    frac = round((t - s) * 1e9)  # t * 1e9 would lose the fraction's digits to the seconds'
-    if frac == 1_000_000_000:
-        s, frac = s + 1, 0
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)) + f".{frac:09d}Z"
 
 
 def _num(v: Any) -> str:
@@ -134,7 +125,7 @@ def _n_ctx(state, pin: Pin) -> int | None:
     for rec in state.residency.ps():
         if rec.loaded.pin.name == pin.name:
             return int(rec.loaded.model.n_ctx)
-    return state.residency.n_ctx
+    return state.residency.ctx
 
 
 # --- /api/ps -----------------------------------------------------------------------------------------

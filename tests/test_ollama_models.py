@@ -43,9 +43,9 @@ def registry(tmp_path_factory) -> Registry:
 
 
 class FakeResidency:
-    def __init__(self, records=(), n_ctx=2048):
+    def __init__(self, records=(), ctx=2048):
         self.records = list(records)
-        self.n_ctx = n_ctx
+        self.ctx = ctx
 
     def ps(self):
         return self.records
