@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import gguf
 import ollama
 import pytest
-from gateway_helpers import tiny_model
+from gateway_helpers import FakeServer, exchange, registry_dir, request_bytes, split_response, tiny_model
 from tiny_gguf import write_tiny_gguf
 
 from bankml import __version__
@@ -284,3 +284,70 @@ def test_ps_shows_the_derived_name_the_last_request_used(with_derived):
     other = record(reg.startup, shown_as="persona:latest")
     entry = json.loads(call(ollama_models.ps, state_of(reg, FakeResidency([other]))))["models"][0]
     assert (entry["name"], entry["digest"]) == ("start:latest", reg.startup.sha256)
+
+
+# --- over HTTP, with the real ollama client ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    model, fork = tiny_model(root / "start", "Start-Model.Q8_0.gguf")
+    reg_dir = registry_dir(root / "reg", ["Model-B.Q8_0.gguf"])
+    (reg_dir / "Gone.gguf.FORK.json").write_text(json.dumps(
+        {"files": [{"path": "Gone.gguf", "bytes": 5, "sha256": "cd" * 32}]}))
+    server = FakeServer(model, fork, registry=reg_dir)
+    try:
+        yield server, ollama.Client(host=f"http://127.0.0.1:{server.port}")
+    finally:
+        server.stop()
+
+
+def test_the_ollama_client_lists_shows_and_ps(live):
+    server, client = live
+    listed = client.list()
+    assert [m.model for m in listed.models] == ["start-model.q8_0:latest", "gone:latest", "model-b.q8_0:latest"]
+    assert listed.models[2].details.family == "llama" and listed.models[2].size > 0
+    shown = client.show("Model-B.Q8_0")
+    assert shown.modelinfo["llama.context_length"] == 4096 and shown.capabilities == ["completion"]
+    assert shown.parameters.startswith("temperature 0.8\ntop_k 40\n")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("nope")
+    assert e.value.status_code == 404
+    assert e.value.error == ("model 'nope' not found: bankml serves pinned models only "
+                             "(start-model.q8_0, gone, model-b.q8_0)")
+    running = client.ps().models
+    assert [m.model for m in running] == ["start-model.q8_0:latest"]  # the startup model, kept forever
+    assert running[0].expires_at.year >= time.gmtime().tm_year + 291
+
+
+def test_version_and_tags_bytes_on_the_wire(live):
+    server, _ = live
+    status, headers, body = split_response(exchange(server.port, request_bytes("GET", "/api/version")))
+    assert (status, body) == (200, f'{{"version": "{__version__}", "bankml": true}}'.encode())
+    assert headers["content-type"].startswith("application/json")
+    status, _, body = split_response(exchange(server.port, request_bytes("GET", "/api/tags")))
+    assert status == 200 and body.startswith(b'{"models": [{"name": "start-model.q8_0:latest", "model": ')
+    status, _, body = split_response(exchange(server.port, request_bytes("POST", "/api/show", body=b"{bad")))
+    assert status == 404 and json.loads(body)["error"]
+
+
+def test_a_derived_model_through_the_client(live):
+    # runs after the listing tests above: it adds a derived model and loads its base
+    server, client = live
+    assert client.create(model="persona", from_="model-b.q8_0", system="be brief").status == "success"
+    listed = {m.model: m for m in client.list().models}
+    entry, base = listed["persona:latest"], listed["model-b.q8_0:latest"]
+    assert list(listed)[-1] == "persona:latest" and entry.digest.startswith("sha256:")
+    assert entry.size == base.size and entry.details.parent_model == "model-b.q8_0:latest"
+    shown = client.show("persona")
+    assert shown.details.parent_model == "model-b.q8_0:latest" and "be brief" in shown.modelfile
+    status, _, body = split_response(exchange(server.port, request_bytes("GET", "/v1/models")))
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [
+        "Start-Model.Q8_0.gguf", "Gone.gguf", "Model-B.Q8_0.gguf", "persona:latest"]
+    client.generate(model="persona", prompt="", keep_alive="10m")  # an empty prompt only loads
+    running = {m.model: m for m in client.ps().models}
+    assert running["persona:latest"].digest == entry.digest
+    assert running["persona:latest"].details.parent_model == "model-b.q8_0:latest"
+    left_s = running["persona:latest"].expires_at.timestamp() - time.time()
+    assert 500 < left_s <= 600
