@@ -10,6 +10,7 @@ Key orders are Ollama's (api/types.go), since clients and tests compare the byte
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -156,18 +157,20 @@ async def version(request, state):
 
 
 async def tags(request, state):
-    return json_response(jstr.dumps(tags_body(state.registry)))
+    # off the loop: each derived model's manifest is read (and its digest checked) from disk
+    return json_response(jstr.dumps(await asyncio.to_thread(tags_body, state.registry)))
 
 
 async def ps(request, state):
-    now = time.time()
-    return json_response(jstr.dumps({"models": [ps_entry(state.registry, r, now) for r in state.residency.ps()]}))
+    records, now = state.residency.ps(), time.time()
+    entries = await asyncio.to_thread(lambda: [ps_entry(state.registry, r, now) for r in records])
+    return json_response(jstr.dumps({"models": entries}))
 
 
-async def show(request, state):
-    """POST /api/show: `model` (or `name`); any failure is a 404 (Ollama's own answer to a bad show)."""
+def show_body(state, raw: bytes) -> dict:
+    """POST /api/show's answer; any failure is a ModelNotFound (spec §1.5: a 404)."""
     try:
-        body = parse_body(request.body)
+        body = parse_body(raw)
         if not isinstance(body, dict):
             raise InvalidRequest("body is not a JSON object")
         text = body.get("model") or body.get("name")
@@ -180,5 +183,9 @@ async def show(request, state):
         raise ModelNotFound(e.message) from None
     pin = resolved.pin
     n_ctx = _n_ctx(state, pin)
-    out = show_pin(pin, n_ctx) if resolved.derived is None else show_derived(resolved.derived, pin, n_ctx)
-    return json_response(jstr.dumps(out))
+    return show_pin(pin, n_ctx) if resolved.derived is None else show_derived(resolved.derived, pin, n_ctx)
+
+
+async def show(request, state):
+    """POST /api/show: `model` (or `name`), a pin or a derived model (off the loop: it reads the manifest)."""
+    return json_response(jstr.dumps(await asyncio.to_thread(show_body, state, request.body)))
