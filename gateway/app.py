@@ -30,7 +30,7 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import bankml_routes, llama_routes, monitor_routes, ollama_create, ollama_models
+from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
 from gateway.chat_route import chat_completions
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
@@ -61,6 +61,12 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/tokenize"): llama_routes.tokenize,
     ("POST", "/apply-template"): llama_routes.apply_template,
     ("POST", "/v1/chat/completions"): chat_completions,
+    ("POST", "/api/chat"): ollama_chat.chat,
+    ("POST", "/api/generate"): ollama_chat.generate,
+    ("POST", "/api/embed"): ollama_chat.refused,
+    ("POST", "/api/embeddings"): ollama_chat.refused,
+    ("POST", "/api/pull"): ollama_chat.refused,
+    ("POST", "/api/push"): ollama_chat.refused,
     ("GET", "/api/version"): ollama_models.version,
     ("GET", "/api/tags"): ollama_models.tags,
     ("POST", "/api/show"): ollama_models.show,

@@ -33,6 +33,11 @@ class Api(enum.Enum):
     OLLAMA = "ollama"  # /api/*
 
 
+# the 404 of an unknown /api route or a wrong method (the Rust bankml's, bankML/ollama.rs)
+OLLAMA_ROUTES_TEXT = ("bankml serve --native (Ollama API): GET /api/version /api/tags /api/ps, POST /api/show "
+                      "/api/chat /api/generate /api/create /api/copy, DELETE /api/delete")
+
+
 def api_of(path: str) -> Api:
     if path.startswith("/api/"):
         return Api.OLLAMA
@@ -95,10 +100,13 @@ class GatewayErrorHandler(ErrorHandler):
             return text_response("client gone", 499)
         if isinstance(exception, NotFound | MethodNotAllowed):
             # paths (and methods) match exactly, as in the Rust bankml: anything else is a 404, in text
-            # (the routes' list) except under /v1, where OpenAI's clients read llama-server's JSON 404
+            # (the routes' list) except under /v1, where OpenAI's clients read llama-server's JSON 404, and
+            # under /api, where Ollama's read {"error"} naming Ollama's routes
             path = getattr(request, "path", "")
             if api_of(path) is Api.OPENAI:
                 return render(RouteNotFound("File Not Found"), Api.OPENAI)
+            if api_of(path) is Api.OLLAMA:
+                return render(RouteNotFound(OLLAMA_ROUTES_TEXT), Api.OLLAMA)
             return text_response(self.not_found_text, 404)
         if isinstance(exception, SanicException):
             return text_response(str(exception) or "error", exception.status_code)

@@ -10,7 +10,6 @@ Key orders are Ollama's (api/types.go), since clients and tests compare the byte
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -19,7 +18,9 @@ import numpy as np
 from bankml import __version__, jstr
 from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from gateway.chat_request import parse_body
+from gateway.derived import Derived, show_fields
 from gateway.errors import json_response
+from gateway.ollama_shapes import created_at
 from gateway.registry import Pin, Registry, model_name
 from gateway.request_fields import gguf_defaults
 
@@ -28,15 +29,6 @@ PIN_STOP = "<|im_end|>"  # /api/show's parameters name this stop for every pin (
 # ShowResponse's field order (api/types.go), then ours
 SHOW_ORDER = ("license", "modelfile", "parameters", "template", "system", "details", "messages", "model_info",
               "capabilities", "modified_at", "bankml")
-
-
-def created_at(t: float) -> str:
-    """RFC3339 in UTC with exactly 9 fractional digits and "Z" (Ollama's time.Time in JSON)."""
-    s = math.floor(t)
-    frac = round((t - s) * 1e9)  # t * 1e9 would lose the fraction's digits to the seconds'
-    if frac == 1_000_000_000:
-        s, frac = s + 1, 0
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)) + f".{frac:09d}Z"
 
 
 def _num(v: Any) -> str:
@@ -62,10 +54,10 @@ def tag_entry(pin: Pin) -> dict:
             "digest": pin.sha256, "details": details(pin), "bankml": _bankml_listing(pin)}
 
 
-def _derived_with_base(registry: Registry) -> list[tuple[Any, Pin]]:
+def _derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
     out = []
     for d in registry.derived.all():
-        base = registry.pin(d.base_name)
+        base = registry.derived.base_pin(d)
         if base is not None:
             out.append((d, base))
     return out
@@ -115,10 +107,8 @@ def show_pin(pin: Pin, n_ctx: int | None) -> dict:
     }
 
 
-def show_derived(d: Any, base: Pin, n_ctx: int | None) -> dict:
+def show_derived(d: Derived, base: Pin, n_ctx: int | None) -> dict:
     """The base's answer with what the derived model changes (DERIVED's show_fields)."""
-    from gateway.derived import show_fields
-
     out = show_pin(base, n_ctx)
     out["details"] = details(base, base.tag)
     out["modified_at"] = d.created_at
@@ -135,7 +125,7 @@ def _n_ctx(state, pin: Pin) -> int | None:
     for rec in state.residency.ps():
         if rec.loaded.pin.name == pin.name:
             return int(rec.loaded.model.n_ctx)
-    return state.residency.n_ctx
+    return state.residency.ctx
 
 
 # --- /api/ps -----------------------------------------------------------------------------------------

@@ -29,31 +29,13 @@ from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.guard import GGUFArray, Report, guard_file
 from bankml.pin import pinned_sha256
 from bankml.verify import GatedModel
+from gateway.derived import Derived, DerivedStore
 from gateway.request_fields import gguf_defaults
 from kernels.supported_types import SUPPORTED_TYPES
 from model.chat_template import TemplateError, _compile
 from model.config import Config, UnsupportedModel
 from model.messages import SamplingParams
 from model.tokenizer_bpe import PRE_TOKENIZERS
-
-try:  # DERIVED's module; until their branch is merged, an empty store
-    from gateway.derived import Derived, DerivedStore
-except ImportError:  # pragma: no cover - removed at the merge
-    Derived = Any  # type: ignore[misc,assignment]
-
-    class DerivedStore:  # type: ignore[no-redef]
-        def __init__(self, directory: str | None):
-            self.directory = directory
-
-        def load(self, pins: list) -> None:
-            pass
-
-        def get(self, name: str) -> None:
-            return None
-
-        def all(self) -> list:
-            return []
-
 
 log = logging.getLogger("bankml.gateway")
 
@@ -315,7 +297,7 @@ class Registry:
             return Resolved(exact, None, exact.tag)
         d = self.derived.get(name)
         if d is not None:
-            base = self.pin(d.base_name)
+            base = self.derived.base_pin(d)  # by name, else by file (as the store binds it)
             if base is None:
                 raise InvalidRequest(f"derived model '{d.name}' is built on '{d.base_name}', which is not in "
                                      "the registry")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from tiny_gguf import write_tiny_gguf
 from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
+from gateway.derived import create, write_manifest
 from gateway.registry import Registry, human_number
 
 
@@ -275,7 +277,41 @@ def test_404_cuts_a_long_name(reg):
     assert e.value.message.startswith("model '" + "x" * 200 + "' not found: bankml serves pinned models only (")
 
 
-# --- derived names (with DERIVED's store; the stub resolves none) -----------------------------------
+# --- derived names --------------------------------------------------------------------------------
+
+
+def derive(reg: Registry, name: str, modelfile: str) -> None:
+    assert list(create(reg, name, modelfile))[-1] == "success"
+
+
+def test_derived_between_exact_and_alias(reg, tmp_path):
+    derive(reg, "persona", "FROM tiny-a-q8_0\nSYSTEM be brief\n")
+    derive(reg, "tiny-a", "FROM tiny-a-q8_0:latest\n")  # a derived model named like an alias of its pin
+    d = reg.derived.get("persona")
+    # a manifest named like a pin (create refuses one; written by hand here, digest intact) loses to the pin
+    write_manifest(dataclasses.replace(d, name="solo", manifest_path=str(tmp_path / "reg" / "solo.MODEL.json")))
+    assert reg.derived.get("solo") is not None
+
+    r = reg.resolve("Persona:latest")
+    assert (r.pin, r.tag, r.derived.name, r.derived.digest) == (reg.pin("tiny-a-q8_0"), "persona:latest", "persona",
+                                                                d.digest)
+    r = reg.resolve("tiny-a")
+    assert (r.pin, r.tag, r.derived.name) == (reg.pin("tiny-a-q8_0"), "tiny-a:latest", "tiny-a")
+    r = reg.resolve("solo")
+    assert (r.pin, r.derived, r.tag) == (reg.pin("solo"), None, "solo:latest")
+    assert reg.resolve("tiny-a-f16").derived is None  # the alias is a pin's, not a derived model's
+    with pytest.raises(ModelNotFound, match=r"\(start, solo, .*, smollm2-135m-instruct-q4_k_m, persona, solo, "
+                                            r"tiny-a\)$"):
+        reg.resolve("nope")
+
+
+def test_a_derived_model_whose_base_pin_is_gone_is_a_400(reg, tmp_path):
+    derive(reg, "persona", "FROM solo\n")
+    (tmp_path / "reg2").mkdir()
+    shutil.copyfile(tmp_path / "reg" / "persona.MODEL.json", tmp_path / "reg2" / "persona.MODEL.json")
+    later = Registry(startup(tmp_path / "start", "Start.gguf"), str(tmp_path / "reg2"))
+    with pytest.raises(InvalidRequest, match="persona: its base Solo.gguf .* is not pinned in the registry"):
+        later.resolve("persona")
 
 
 def test_no_directory_means_an_empty_derived_store(tmp_path):
@@ -285,9 +321,9 @@ def test_no_directory_means_an_empty_derived_store(tmp_path):
         reg.resolve("anything")
 
 
-def test_a_derived_whose_base_is_gone_is_a_400(reg, monkeypatch):
-    class D:
-        name, base_name, tag = "mine", "vanished", "mine:latest"
+def test_a_derived_whose_base_the_registry_lacks_is_a_400(reg, monkeypatch):
+    class D:  # what a store bound to other pins could hand back
+        name, base_name, base_file, tag = "mine", "vanished", "Vanished.gguf", "mine:latest"
 
     monkeypatch.setattr(reg.derived, "get", lambda name: D() if name == "mine" else None)
     with pytest.raises(InvalidRequest, match="derived model 'mine' is built on 'vanished', which is not in the"):
