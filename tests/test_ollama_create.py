@@ -113,6 +113,17 @@ def test_the_ollama_client(server, files):
     assert (d.layer.system, dict(d.layer.parameters), d.layer.stop, d.layer.license) == (
         "You are a pirate.", {"temperature": 0.5, "num_ctx": 1024}, ("END",), ("MIT",))
     assert d.layer.messages == ({"role": "user", "content": "who?"},)
+    # the layer is applied: its SYSTEM and MESSAGE are in the prompt (the fake engine's tokens are bytes)
+    hi = [{"role": "user", "content": "hi"}]
+    base = client.chat(model="http-base.q8_0", messages=hi, options={"num_predict": 2})
+    persona = client.chat(model="persona", messages=hi, options={"num_predict": 2})
+    assert persona.model == "persona:latest"
+    assert persona.prompt_eval_count - base.prompt_eval_count >= len("You are a pirate.") + len("who?")
+    v1 = httpx.post(server.url("/v1/chat/completions"), json={"model": "persona", "messages": hi, "max_tokens": 2},
+                    timeout=30).json()
+    v1_base = httpx.post(server.url("/v1/chat/completions"), json={"model": "http-base.q8_0", "messages": hi,
+                                                                   "max_tokens": 2}, timeout=30).json()
+    assert v1["usage"]["prompt_tokens"] - v1_base["usage"]["prompt_tokens"] >= len("You are a pirate.")
     streamed = [p.status for p in client.create(model="persona2", from_="persona", stream=True)]
     assert streamed[0] == "parsing modelfile" and streamed[-1] == "success"
     assert client.copy("persona", "persona3").status == "success"
