@@ -29,7 +29,6 @@ from bankml.errors import (
     EXIT_REFUSED,
     BankmlError,
     ConfigInvalid,
-    NotSupported,
     Refused,
     Truncated,
     Unreadable,
@@ -47,6 +46,7 @@ commands:
   bankml verify [FILE --fork F] [--rule-set mainline] [--json]
   bankml fork FILE [-o OUT]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
+               [--registry [DIR]] [--keep-alive DUR]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml gpu-check [--json]
@@ -182,25 +182,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", metavar="N", type=_positive_int, help="the context size (4096)")
     p.add_argument("--config", metavar="NAME|PATH", help="a preset in configs/ (default, cpu, h200) or a TOML file")
     p.add_argument("--keep-alive", metavar="DUR", type=_checked(parse_keep_alive),
-                   help="--native: the default keep_alive of Ollama's API (a Go duration or seconds; 5m); "
-                        "checked at start, used once that API exists")
+                   help="--native: the default keep_alive of Ollama's API (a Go duration or seconds; 5m; "
+                        "0 unloads after each answer, negative keeps forever)")
     _add_rule_set(p, default=None)
     p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
     p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
     p.add_argument("--spec-ngram", action="store_true", help="P0: --spec-type ngram-simple")
     p.add_argument("--slot-dir", metavar="DIR", help="P0: llama-server's --slot-save-path")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
-                   help="not supported yet: one pinned model per server")
+                   help="--native: also serve every model pinned by a *.FORK.json in DIR (a bare flag: "
+                        "$BANKML_FORKS, else ~/.local/share/bankml/forks)")
 
 
 def serve_options_of(args: argparse.Namespace) -> ServeOptions:
-    """The options of a parsed `serve` command line. Raises ConfigInvalid or NotSupported."""
-    if args.registry is not None:
-        raise NotSupported("--registry: serving every model pinned in a directory is not built yet "
-                           "(one pinned model per server)")
+    """The options of a parsed `serve` command line. Raises ConfigInvalid."""
     return serve_options(load_config(args.config), listen=args.listen, upstream=args.upstream, threads=args.threads,
                          ctx=args.ctx, keep_alive=args.keep_alive, native=args.native, spawn=args.spawn,
-                         spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set)
+                         spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set,
+                         registry=args.registry)
 
 
 # --- the model and its pin ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ read once, into frozen dataclasses: code reads fields.
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -77,10 +78,19 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    """--native: the pinned models served beside the startup one, and how many stay resident."""
+
+    dir: str = ""  # every model pinned by a *.FORK.json here ("" = the startup model only; --registry DIR)
+    max_loaded: int = 3  # models resident at once (and the memory budget), least recently used idle go first
+
+
+@dataclass(frozen=True)
 class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
 
 
 # --- values ------------------------------------------------------------------------------------------
@@ -158,6 +168,7 @@ _CHECKS = {
     "engine.page_size": _power_of_two,
     "engine.memory_fraction": _fraction,
     "engine.max_prefill_bucket": _positive,
+    "registry.max_loaded": _positive,
 }
 
 
@@ -204,7 +215,7 @@ def _over(base: Any, table: dict, source: str, where: str) -> Any:
                 raise ConfigInvalid(f"{source}: {dotted!r} is now {renamed!r}")
             raise ConfigInvalid(f"{source}: unknown key {dotted!r}")
         current = getattr(base, key)
-        if isinstance(current, ServeConfig | LimitsConfig | EngineConfig):
+        if isinstance(current, ServeConfig | LimitsConfig | EngineConfig | RegistryConfig):
             if not isinstance(value, dict):
                 raise ConfigInvalid(f"{source}: {dotted!r} must be a table")
             changes[key] = _over(current, value, source, dotted + ".")
@@ -239,13 +250,15 @@ class ServeOptions:
     upstream: tuple[str, int]  # the --upstream address: P0's llama-server; see compat_listen
     threads: int
     ctx: int
-    keep_alive_s: float  # math.inf: forever. Typed for Ollama's API; nothing serves /api/* yet
+    keep_alive_s: float  # math.inf: forever: the default keep_alive of Ollama's API
     native: bool
     spawn: str | None
     spec_ngram: bool
     slot_dir: str | None
     rule_set: str
     config: Config
+    registry_dir: str | None = None  # --native: the directory of *.FORK.json pins (None: the startup model only)
+    max_loaded: int = 3  # models resident at once
 
     @property
     def compat_listen(self) -> tuple[str, int]:
@@ -256,10 +269,21 @@ class ServeOptions:
 def serve_options(config: Config, *, listen: str | None = None, upstream: str | None = None,
                   threads: int | None = None, ctx: int | None = None, keep_alive: str | None = None,
                   native: bool = False, spawn: str | None = None, spec_ngram: bool = False,
-                  slot_dir: str | None = None, rule_set: str | None = None) -> ServeOptions:
+                  slot_dir: str | None = None, rule_set: str | None = None,
+                  registry: str | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
-    this mode cannot honour, by name: P0's llama-server flags with --native, slot files with --native."""
+    this mode cannot honour, by name: P0's llama-server flags with --native, slot files with --native,
+    a registry without --native. `registry`: the --registry directory ("" for a bare flag: $BANKML_FORKS,
+    else ~/.local/share/bankml/forks); it must be a directory."""
     s = config.serve
+    registry_dir = config.registry.dir if registry is None else registry or default_registry_dir()
+    if registry_dir and not native:
+        raise ConfigInvalid("--registry / [registry] dir: serving every pinned model is --native's; P0 serves "
+                            "the one model llama-server runs")
+    if registry_dir:
+        registry_dir = os.path.expanduser(registry_dir)
+        if not os.path.isdir(registry_dir):
+            raise ConfigInvalid(f"--registry {registry_dir}: not a directory")
     if native:
         given = [name for name, v in (("--spawn", spawn), ("--threads", threads), ("--spec-ngram", spec_ngram))
                  if v]
@@ -283,4 +307,11 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         slot_dir=slot_dir or s.slot_dir or None,
         rule_set=chosen_rule_set,
         config=config,
+        registry_dir=registry_dir or None,
+        max_loaded=config.registry.max_loaded,
     )
+
+
+def default_registry_dir() -> str:
+    """A bare --registry: $BANKML_FORKS, else ~/.local/share/bankml/forks."""
+    return os.environ.get("BANKML_FORKS") or os.path.expanduser("~/.local/share/bankml/forks")

@@ -1,8 +1,10 @@
 """The native gateway: `run_gateway` (called by bankml/serve.py once the gate has passed) and the app.
 
-Start-up, after the gate: start the engine thread, load and warm the model on it, bind both
-addresses (--listen, and the compat listener --upstream names, for llama-server's clients), and
-only then serve.
+Start-up, after the gate (spec §0): build the registry (the startup model, then every pin of
+--registry DIR, and the derived manifests over them), load and warm the startup model on its own
+engine thread, bind both addresses (--listen, and the compat listener --upstream names, for
+llama-server's clients), start the reaper with the server, and only then serve. Other models load
+on their first request, each on an engine thread of its own (residency.py).
 Any failure before serving prints `bankml serve: refuse: <why>` and returns 2 with no socket left
 bound. Sanic runs in one process (`Sanic.serve_single`): the engine lives here, and JAX must never be
 forked.
@@ -30,15 +32,14 @@ from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
 from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
 from gateway.chat_route import chat_completions
-from gateway.engine_client import EngineClient
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
-from gateway.residency import Loader, Residency
+from gateway.registry import Registry
+from gateway.residency import Estimate, Loader, Residency
 from gateway.sanic_app import bind, sanic_app
 from gateway.shutdown import Shutdown
 from gpu_monitor import limiter
 from model import device_budget
-from model.engine_thread import EngineThread
 
 log = logging.getLogger("bankml.gateway")
 
@@ -88,33 +89,62 @@ def routes_text() -> str:
 
 @dataclass
 class GatewayState:
-    residency: Residency
-    client: EngineClient
+    registry: Registry  # every model served, and how a `model` name finds one
+    residency: Residency  # which are resident; a route holds one with `async with residency.lease(pin)`
     compat_listen: str  # "host:port" of the second listener (/bankml's "upstream")
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
                shutdown: Shutdown | None = None) -> Sanic:
-    return sanic_app(name, limits, ROUTES, routes_text(), state, shutdown)
+    app = sanic_app(name, limits, ROUTES, routes_text(), state, shutdown)
+
+    async def start_reaper(app) -> None:
+        state.residency.start_reaper()
+
+    async def stop_models(app) -> None:
+        await state.residency.close()
+
+    app.register_listener(start_reaper, "after_server_start")
+    app.register_listener(stop_models, "after_server_stop")
+    return app
 
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def native_loader(n_ctx: int, engine: EngineConfig) -> Loader:
+def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False) -> Loader:
+    """whole_contexts: several models may share the device, so each gets a KV pool of max_seqs whole
+    contexts (unless [engine] kv_cache_bytes says), never most of what the device has left."""
     def load(path: str):
         from model.engine_thread import load_engine
 
         loaded, backend = load_engine(path, n_ctx=n_ctx, max_seqs=engine.max_seqs,
                                       prefill_chunk=engine.max_prefill_bucket,
                                       compile_cache_dir=compile_cache_path(engine.compile_cache_dir),
-                                      kv_cache_bytes=engine.kv_cache_bytes, page_size=engine.page_size)
+                                      kv_cache_bytes=engine.kv_cache_bytes, page_size=engine.page_size,
+                                      whole_contexts=whole_contexts)
         loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
         return loaded, backend
 
     return load
+
+
+def native_estimate(n_ctx: int, engine: EngineConfig) -> Estimate:
+    """The bytes a load will hold before it runs: the file, and the KV pool it will get."""
+    def estimate(path: str) -> int:
+        from model.engine_thread import whole_contexts_bytes
+
+        pool = engine.kv_cache_bytes
+        if pool == 0:
+            try:
+                pool = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=engine.max_seqs, page_size=engine.page_size)
+            except Exception:  # the header says nothing usable: the load will say why; the file alone
+                pool = 0
+        return os.path.getsize(path) + pool
+
+    return estimate
 
 
 def compile_cache_path(setting: str) -> str | None:
@@ -128,9 +158,11 @@ def native_monitoring(state: GatewayState) -> Monitoring:
 
     monitor = Monitor()
     monitor.start()  # RAPL's wrap accounting, and NVML's init before the first answer's mark
-    return Monitoring(monitor, whoami=lambda: bankml_routes.bankml_info(state), mode="native",
-                      root_text=ROOT_TEXT, energy_device=device_budget.engine_platform(),
-                      engine_thread=state.client.thread)
+    monitoring = Monitoring(monitor, whoami=lambda: bankml_routes.bankml_info(state), mode="native",
+                            root_text=ROOT_TEXT, energy_device=device_budget.engine_platform(),
+                            engines=state.residency)
+    state.residency.meter = monitoring.meter  # every engine thread, present and to come, reads it
+    return monitoring
 
 
 def _refuse(why: str) -> int:
@@ -138,8 +170,10 @@ def _refuse(why: str) -> int:
     return 2
 
 
-def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None = None) -> int:
-    """Load, warm, bind, serve until stopped. Returns the process exit code."""
+def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None = None,
+                estimate: Estimate | None = None, budget_bytes: int | None = None) -> int:
+    """Load, warm, bind, serve until stopped. Returns the process exit code. The tests give their own
+    loader, estimate and memory budget (default: the device's, or 80% of the RAM)."""
     logging.basicConfig(level=logging.INFO, format="bankml serve: %(message)s", stream=sys.stderr)
     logging.getLogger("sanic.access").setLevel(logging.WARNING)
     limits = options.config.limits
@@ -151,35 +185,44 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         return _refuse(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)
-    thread = EngineThread(max_waiting=engine_cfg.max_waiting)
-    client = EngineClient(thread)
-    loader = loader or native_loader(options.ctx, engine_cfg)
-    residency = Residency(gated, client, loader)
+    registry = Registry(gated, options.registry_dir, options.rule_set)
+    several = len(registry.pins) > 1
+    loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several)
+    residency = Residency(registry, gated, loader, max_loaded=options.max_loaded, budget_bytes=0,
+                          default_keep_alive_s=options.keep_alive_s, ctx=options.ctx,
+                          max_waiting=engine_cfg.max_waiting, estimate=estimate or native_estimate(options.ctx, engine_cfg))
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
         loaded = residency.load_startup()
     except Exception as e:
-        thread.stop()
         return _refuse(f"cannot load {gated.path}: {e}")
-    limiter.register(device_budget.limiter_provider(lambda: thread.engine, memory_fraction=memory_fraction,
-                                                    max_seqs=max_seqs, stats=client.stats, note=fraction_note))
+    # after the first load: jax has started, the device is known
+    residency.budget_bytes = device_budget.memory_budget_bytes() if budget_bytes is None else budget_bytes
+
+    def recent_thread():
+        r = residency.most_recent()
+        return r.client.thread if r is not None else None
+
+    limiter.register(device_budget.limiter_provider(
+        lambda: getattr(recent_thread(), "engine", None), memory_fraction=memory_fraction, max_seqs=max_seqs,
+        stats=lambda: recent_thread().stats() if recent_thread() is not None else None, note=fraction_note))
     listen, compat_listen = _address(*options.listen), _address(*options.compat_listen)
     sockets: list[socket.socket] = []
     try:
         sockets.append(bind(*options.listen))
     except OSError as e:
-        thread.stop()
+        residency.stop_all()
         return _refuse(f"cannot listen on {listen}: {e.strerror or e}")
     try:
         sockets.append(bind(*options.compat_listen))
     except OSError as e:
         sockets[0].close()
-        thread.stop()
+        residency.stop_all()
         return _refuse(f"cannot listen on the engine address {compat_listen}: {e.strerror or e} "
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
     compat_listen = _address(*sockets[1].getsockname()[:2])
-    state = GatewayState(residency, client, compat_listen)
+    state = GatewayState(registry, residency, compat_listen)
     state.monitoring = native_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:
@@ -191,16 +234,20 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     v = loaded.verified
     log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,
              v.arch, v.name, loaded.compile_s, loaded.backend)
-    log.info("bankml %s --native: models %s; listening on http://%s and, for llama-server's clients, "
-             "http://%s", __version__, ", ".join(residency.names), listen, compat_listen)
-    if hasattr(thread.engine, "compile_in_background"):  # the rest of the programs, now that we are bound
-        thread.engine.compile_in_background()
+    for pin in registry.pins[1:]:
+        if not pin.native:
+            log.warning("%s is listed, not served: %s", pin.file_name, pin.reason)
+    served = [p.name for p in registry.pins if p.native] + [d.name for d in registry.derived.all()]
+    log.info("bankml %s --native: models %s (at most %d resident); listening on http://%s and, for "
+             "llama-server's clients, http://%s", __version__, ", ".join(served), options.max_loaded, listen,
+             compat_listen)
+    residency.compile_rest(loaded)  # the rest of the programs, now that we are bound
     try:
         Sanic.serve_single(app)
     finally:
         state.monitoring.close()
         limiter.unregister()
-        thread.stop()
+        residency.stop_all()
         for sock in sockets:
             sock.close()
     return 0

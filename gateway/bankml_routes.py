@@ -1,5 +1,8 @@
 """bankML's own route `GET /bankml` (the native keys): what was verified, and what is resident.
 
+"models" are the registry's names; "resident" the most recently used resident model, "loaded" every
+resident one, most recently used first.
+
 It answers from the most recent verification, so a client (sAGI's models.py reads
 `verified.model_sha256` and `model`) can check what it is talking to before it asks anything. The
 status page shows the same dict (`bankml_info`). "weights" is the engine's own report of its weights
@@ -19,22 +22,25 @@ from gateway.errors import json_response
 def bankml_info(state) -> dict[str, Any]:
     res = state.residency
     last = res.last
+    loaded = [r.name for r in res.resident()]
     return {
         "verified": last.verified.as_dict() if last else None,
         "model": last.path if last else None,
         "upstream": state.compat_listen,  # the Rust bankml's key for the second address
         "engine": last.backend if last else None,  # the Rust bankml's key for the inference backend
         "hashed_at": last.hashed_at if last else 0,
-        "resident": res.resident.name if res.resident else None,
+        "resident": loaded[0] if loaded else None,
         "models": res.names,
         "weights": _weights_report(state),
+        "loaded": loaded,  # bankml's own key, after the Rust bankml's
     }
 
 
 def _weights_report(state) -> dict[str, Any] | None:
-    """The resident engine's weights/kernels report, or None (no engine,
+    """The most recently used engine's weights/kernels report, or None (no engine,
     or an engine that does not report: the tests' fakes)."""
-    engine = getattr(getattr(state.client, "thread", None), "engine", None)
+    recent = state.residency.most_recent()
+    engine = recent.client.thread.engine if recent is not None else None
     report = getattr(engine, "weights_report", None)
     return report() if callable(report) else None
 

@@ -317,13 +317,17 @@ _SAMPLING = {f.name for f in fields(SamplingParams)}
 
 def parse_chat(body: bytes, defaults: SamplingParams | None = None) -> ChatRequest:
     """The request checked as llama-server checks it, then against what this engine does."""
-    request = parse_body(body)
+    return parse_chat_request(parse_body(body), defaults)
+
+
+def parse_chat_request(request: Any, defaults: SamplingParams | None = None) -> ChatRequest:
+    """`parse_chat` on a body already read (`parse_body`): a derived model's layer goes over it first."""
     params, messages = openai_layer(request)
     p = read_fields(params, defaults or SamplingParams())
     refuse_unsupported(p, request, messages)
     model = request.get("model")
     if model is not None and not isinstance(model, str):
-        model = None  # llama-server never reads it; a single-model server answers whatever it names
+        model = None  # the route resolved it already (not a string: the startup model)
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,

@@ -1,13 +1,14 @@
 """llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
 
-They name no model: they use the resident one, or verify and load the startup model. `/health` and
-`/v1/models` never load; `/health` is 503 with the reason while the model is unusable (its file
-changed and does not verify again, or it failed to load) or the engine thread is gone, so a balancer
-routes away. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
+They name no model: they use the most recently used resident one, or verify and load the startup
+model (kept forever). `/health` and `/v1/models` never load; `/health` is 503 with the reason while
+the startup model is unusable (its file changed and does not verify again, or it failed to load) or
+the engine thread of the model it reports is gone, so a balancer routes away. `/v1/models` lists
+every pin of the registry. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
 otherwise stall every other client), on a thread of their own: a burst of /tokenize calls queues
 behind itself, never in front of the chat answers, which use the loop's default pool. `/slots` is
-the scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of them), in
-llama-server's shape.
+the current model's scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of
+them), in llama-server's shape.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 async def health(request, state):
-    failure = state.client.failure
-    if failure is not None:  # the engine thread is gone: nothing here can answer
+    res = state.residency
+    recent = res.most_recent()
+    failure = recent.client.failure if recent is not None else None
+    if failure is not None:  # its engine thread is gone: nothing here can answer
         raise EngineGone(f"the engine thread stopped: {failure}")
-    unusable = state.residency.unusable
+    unusable = res.unusable.get(state.registry.startup.name)
     if unusable is not None:
         raise ModelUnusable(unusable.message)
     return json_response('{"status": "ok"}')
@@ -57,10 +60,12 @@ async def props(request, state):
 
 
 async def models(request, state):
-    res = state.residency
-    file_name = res.resident.file_name if res.resident else res.file_name
-    return json_response(jstr.dumps({"object": "list",
-                                     "data": [{"id": file_name, "object": "model", "owned_by": "bankML"}]}))
+    return json_response(jstr.dumps({"object": "list", "data": v1_models_data(state.registry)}))
+
+
+def v1_models_data(registry) -> list[dict[str, Any]]:
+    """Every pin, by its file name (REGISTRY's gateway.ollama_models.v1_models_data replaces this)."""
+    return [{"id": p.file_name, "object": "model", "owned_by": "bankML"} for p in registry.pins]
 
 
 async def tokenize(request, state):
@@ -96,9 +101,10 @@ async def apply_template(request, state):
 async def slots(request, state):
     """llama-server's `GET /slots`; `?fail_on_no_slot=<anything>` makes it a 503 while no slot is idle
     (tools/server: any non-empty value, its "no slot available" unavailable_error)."""
-    if state.client.failure is not None:
-        raise EngineGone(f"the engine thread stopped: {state.client.failure}")
-    stats = state.client.stats()
+    client = (await state.residency.current()).client
+    if client.failure is not None:
+        raise EngineGone(f"the engine thread stopped: {client.failure}")
+    stats = client.stats()
     sequences = stats.sequences if stats is not None else ()  # no engine has run: no slots yet
     if any(query_of(request).get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
         raise Overloaded("no slot available")

@@ -1,12 +1,12 @@
 """The monitor inside a running gateway: usage sampler, energy meter, the ring of answers, Prometheus.
 
-One `Monitoring` per app. It measures nothing on the request path: the engine thread it is given
-holds its energy meter and stamps each request's timeline and energy into the final `StepOutput`
-(model/engine_thread.py). The native chat route reads the engine client directly and hands the
-monitor what came out:
+One `Monitoring` per app. It measures nothing on the request path: each resident model's engine
+thread holds its energy meter (`meter`, set on every thread by the residency) and stamps each
+request's timeline and energy into the final `StepOutput` (model/engine_thread.py). The native chat
+route reads the engine client directly and hands the monitor what came out:
 
     with state.monitoring.answer() as answer:
-        async with state.client.generate(request) as generation:
+        async with held.loaded.client.generate(request) as generation:
             async for out in generation:
                 ...
         answer.record(model, last)        # a completed answer: one /bankml/metrics record
@@ -14,8 +14,9 @@ monitor what came out:
 `record` builds the record from the final output, appends it to the ring, and feeds the lifetime
 Prometheus counters. Errors and abandoned answers push nothing to the ring (it holds completed
 answers only) and count in `bankml_answers_total{finish="error"|"abort"}` when the `with` block is
-left without a record. The running and waiting gauges are the engine thread's own counts, the KV
-pool's and prefix cache's series its scheduler's last snapshot.
+left without a record. The running and waiting gauges are the engine threads' own counts, summed over
+the resident models; the KV pool's and prefix cache's series are the most recently used model's
+scheduler's last snapshot.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from bankml import __version__
 from bankml.errors import Overloaded
@@ -36,6 +37,14 @@ from model.engine_thread import EngineThread
 from model.messages import EngineStats, StepOutput
 
 STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
+
+
+class Engines(Protocol):
+    """The engine threads of the resident models (gateway.residency.Residency has them)."""
+
+    def threads(self) -> list[EngineThread]: ...
+
+    def most_recent(self) -> Any: ...  # a Loaded (its client.thread), or None
 
 
 class Answer:
@@ -75,14 +84,17 @@ class Monitoring:
     """The monitor's state for one app. `whoami()` gives the /bankml body (what was verified)."""
 
     def __init__(self, monitor: Monitor, *, whoami: Callable[[], Mapping[str, Any]], mode: str,
-                 root_text: str, energy_device: str = "cpu", engine_thread: EngineThread | None = None):
+                 root_text: str, energy_device: str = "cpu", engine_thread: EngineThread | None = None,
+                 engines: Engines | None = None):
+        """engine_thread: one engine (the tests'); engines: the resident models' (native); neither: P0."""
         self.monitor = monitor
         self.whoami = whoami
         self.mode = mode  # "native" or "p0"
         self.root_text = root_text  # GET / for clients that are not browsers
         # energy_device: "cpu" or "gpu", where the engine runs, hence which counter energy_j reads
         self.meter = monitor.energy_meter(device=energy_device)
-        self.engine_thread = engine_thread  # None in P0: no engine in this process
+        self.engine_thread = engine_thread
+        self.engines = engines  # neither: P0, no engine in this process
         if engine_thread is not None:
             engine_thread.meter = self.meter
         self.ring = MetricsRing()
@@ -93,12 +105,25 @@ class Monitoring:
         return Answer(self)
 
     def flights(self) -> tuple[int, int] | None:
-        """(running, waiting) requests on the engine; None when no engine runs in this process (P0)."""
-        return self.engine_thread.in_flight() if self.engine_thread is not None else None
+        """(running, waiting) requests on the engines, summed; None when no engine runs in this process (P0)."""
+        threads = self._threads()
+        if threads is None:
+            return None
+        counts = [t.in_flight() for t in threads]
+        return sum(r for r, _ in counts), sum(w for _, w in counts)
 
     def engine_stats(self) -> EngineStats | None:
-        """The scheduler's last snapshot (None: none yet, the engine thread is gone, or P0)."""
+        """The most recently used model's scheduler's last snapshot (None: none yet, the engine thread is
+        gone, or P0)."""
+        if self.engines is not None:
+            recent = self.engines.most_recent()
+            return recent.client.thread.stats() if recent is not None else None
         return self.engine_thread.stats() if self.engine_thread is not None else None
+
+    def _threads(self) -> list[EngineThread] | None:
+        if self.engines is not None:
+            return self.engines.threads()
+        return [self.engine_thread] if self.engine_thread is not None else None
 
     def _model_info(self) -> dict[str, str]:
         try:

@@ -122,3 +122,15 @@ def limiter_provider(engine: Callable[[], Any], *, memory_fraction: float, max_s
         return replace(out, unavailable=why)
 
     return status
+
+
+def memory_budget_bytes(cpu_share: float = 0.8) -> int:
+    """What resident models may hold together: on an accelerator its allocator's limit (memory_fraction
+    of the device), on a CPU `cpu_share` of the machine's RAM."""
+    dev = _device()
+    stats = dev.memory_stats() if dev is not None and dev.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    import psutil
+
+    return int(cpu_share * psutil.virtual_memory().total)

@@ -208,6 +208,10 @@ class Engine:
         return {"layout": layout, "device_bytes": device, "file_bytes": self.file_bytes,
                 "ratio": round(device / self.file_bytes, 4) if self.file_bytes else None, "kernels": kernels}
 
+    def memory_bytes(self) -> int:
+        """What the engine holds: its weights' device bytes and its KV pool's (/api/ps "size")."""
+        return int(device_bytes(self.weights)) + int(self.pool.k.nbytes) + int(self.pool.v.nbytes)
+
     # --- compiled programs ----------------------------------------------------------------------
 
     def prefill_buckets(self) -> list[int]:

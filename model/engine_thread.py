@@ -423,13 +423,36 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
+def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = 16) -> int:
+    """The KV pool of `max_seqs` whole contexts for the model at `path` (f16 K and V of every layer), from
+    its header as the guard reads it: the pool each engine gets when several models share the device."""
+    from bankml.guard import GGUFArray, guard_file
+    from model.config import Config
+
+    class _Counted:  # an array the guard skipped: its length is all Config reads
+        def __init__(self, n: int):
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    meta = guard_file(path).metadata
+    c = Config.from_gguf({k: _Counted(v.count) if isinstance(v, GGUFArray) else v for k, v in meta.items()})
+    per_page = 2 * c.n_layer * c.n_head_kv * page_size * c.head_dim * 2
+    return max_seqs * -(-n_ctx // page_size) * per_page
+
+
 def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
-                kv_cache_bytes: int = 0, page_size: int = 16) -> tuple[Any, str]:
+                kv_cache_bytes: int = 0, page_size: int = 16, whole_contexts: bool = False) -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
-    engine thread. Returns the engine and a few words on the backend for the receipts' "engine"."""
+    engine thread. Returns the engine and a few words on the backend for the receipts' "engine".
+    whole_contexts (with kv_cache_bytes 0): a pool of max_seqs whole contexts, not most of the device."""
     import jax
 
     from model.engine import Engine
+
+    if whole_contexts and kv_cache_bytes == 0:
+        kv_cache_bytes = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size)
 
     engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,

@@ -41,12 +41,18 @@ class FakeTokenizer:
 
 
 class FakeEngine(GeneratorBatch):
-    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1):
+    on_accelerator = False  # what /api/ps's size_vram reads: a CPU's engine
+
+    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1, size_bytes: int = 1 << 20):
         super().__init__()
         self.tokenizer = FakeTokenizer()
         self.n_ctx = n_ctx
         self.step_s = step_s
         self.max_seqs = max_seqs
+        self.size_bytes = size_bytes
+
+    def memory_bytes(self) -> int:
+        return self.size_bytes
 
     def stats(self) -> EngineStats:
         """The adapter's counts, and one SequenceState per slot as the scheduler gives them (a
@@ -96,8 +102,31 @@ class FakeEngine(GeneratorBatch):
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
 
 
-def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1):
+def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1,
+                load_s: dict[str, float] | None = None, size_bytes: dict[str, int] | None = None):
+    """load_s: seconds a load of the model NAME sleeps (on its engine thread), by pin name; size_bytes:
+    the bytes it says it holds (1 MiB unless named)."""
     def load(path: str):
-        return FakeEngine(n_ctx, step_s, max_seqs), "a fake engine for tests"
+        name = model_name(path)
+        delay = (load_s or {}).get(name, 0.0)
+        if delay:
+            print(f"fake-engine: loading {name} for {delay} s", file=sys.stderr, flush=True)
+            time.sleep(delay)
+        engine = FakeEngine(n_ctx, step_s, max_seqs, (size_bytes or {}).get(name, 1 << 20))
+        print(f"fake-engine: loaded {name}", file=sys.stderr, flush=True)
+        return engine, "a fake engine for tests"
 
     return load
+
+
+def fake_estimate(size_bytes: dict[str, int] | None = None):
+    """What a fake load will hold, as the fake loader makes it (for the residency's budget)."""
+    def estimate(path: str) -> int:
+        return (size_bytes or {}).get(model_name(path), 1 << 20)
+
+    return estimate
+
+
+def model_name(path: str) -> str:
+    name = path.rsplit("/", 1)[-1].lower()
+    return name[:-5] if name.endswith(".gguf") else name

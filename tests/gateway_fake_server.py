@@ -2,11 +2,17 @@
 
     python tests/gateway_fake_server.py MODEL.gguf --fork F [--listen H:P] [--upstream H:P]
         [--ctx N] [--step-ms MS] [--limits JSON] [--engine JSON] [--fail-load] [--replay]
+        [--registry DIR] [--max-loaded N] [--keep-alive DUR] [--load-s JSON] [--model-bytes JSON]
+        [--budget-bytes N]
 
 The model file is gated for real (guard, then the pin); only the engine is fake. --limits overrides
 keys of the [limits] table (e.g. short timeouts), --engine those of [engine] (max_seqs, max_waiting:
 the fake engine serves max_seqs sequences at once, as the real one). --replay serves llama-server's recorded tokens
 through the real tokenizer and host side (tests/replay_engine.py; MODEL must be SmolLM2).
+--registry DIR serves every model pinned there too, each on a fake engine of its own; --max-loaded
+bounds how many are resident ([registry] max_loaded), --keep-alive is serve's. --load-s {"name": S}
+makes loading the pin `name` take S seconds (on its engine thread), --model-bytes {"name": B} says
+what it holds, --budget-bytes the memory all resident models may hold (default: 80% of the RAM).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from fake_engine import fake_loader  # noqa: E402
+from fake_engine import fake_estimate, fake_loader  # noqa: E402
 
 from bankml.cli import add_serve_arguments, read_fork, serve_options_of  # noqa: E402
 from bankml.errors import BankmlError  # noqa: E402
@@ -39,6 +45,10 @@ def main(argv: list[str]) -> int:
     fake.add_argument("--engine", default="{}")
     fake.add_argument("--fail-load", action="store_true")
     fake.add_argument("--replay", action="store_true")
+    fake.add_argument("--max-loaded", type=int, default=None)
+    fake.add_argument("--load-s", default="{}")
+    fake.add_argument("--model-bytes", default="{}")
+    fake.add_argument("--budget-bytes", type=int, default=None)
     extra, rest = fake.parse_known_args(argv)
     zero = {flag: _port_zero(value) for flag, value in zip(rest, rest[1:], strict=False)
             if flag in ("--listen", "--upstream")}
@@ -53,12 +63,15 @@ def main(argv: list[str]) -> int:
                                      limits=dataclasses.replace(options.config.limits, **json.loads(extra.limits)),
                                      engine=dataclasses.replace(options.config.engine, **json.loads(extra.engine)))
         options = dataclasses.replace(options, listen=listen or options.listen,
-                                      upstream=upstream or options.upstream, config=config)
+                                      upstream=upstream or options.upstream, config=config,
+                                      max_loaded=extra.max_loaded or options.max_loaded)
         gated = gate_model(args.file, read_fork(args.fork, "serve"))
     except BankmlError as e:
         print(f"bankml serve: refuse: {e}", file=sys.stderr)
         return 2
-    loader = fake_loader(options.ctx, extra.step_ms / 1e3, max_seqs=options.config.engine.max_seqs)
+    sizes = json.loads(extra.model_bytes)
+    loader = fake_loader(options.ctx, extra.step_ms / 1e3, max_seqs=options.config.engine.max_seqs,
+                         load_s=json.loads(extra.load_s), size_bytes=sizes)
     if extra.replay:
         from replay_engine import replay_loader
 
@@ -66,7 +79,7 @@ def main(argv: list[str]) -> int:
     if extra.fail_load:
         def loader(path: str):
             raise RuntimeError("the fake engine cannot load this")
-    return run_gateway(gated, options, loader=loader)
+    return run_gateway(gated, options, loader=loader, estimate=fake_estimate(sizes), budget_bytes=extra.budget_bytes)
 
 
 if __name__ == "__main__":

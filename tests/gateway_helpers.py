@@ -35,6 +35,14 @@ def tiny_model(directory: Path, name: str = "Tiny-Model.Q8_0.gguf") -> tuple[Pat
     return model, fork
 
 
+def registry_dir(directory: Path, names: list[str]) -> Path:
+    """A registry directory: one tiny GGUF per name ("Model-A.Q8_0.gguf" is pinned as "model-a.q8_0"),
+    each pinned by its own FORK.json in it."""
+    for name in names:
+        tiny_model(directory, name)
+    return directory
+
+
 class _Server:
     def __init__(self, cmd: list[str], timeout_s: float, env: dict | None = None):
         self.lines: list[str] = []
@@ -83,15 +91,25 @@ class _Server:
 
 class FakeServer(_Server):
     def __init__(self, model: Path, fork: Path, *, limits: dict | None = None, engine: dict | None = None,
-                 step_ms: float = 2, ctx: int = 4096, timeout_s: float = 60, replay: bool = False):
+                 step_ms: float = 2, ctx: int = 4096, timeout_s: float = 60, replay: bool = False,
+                 registry: Path | None = None, max_loaded: int | None = None, keep_alive: str | None = None,
+                 load_s: dict[str, float] | None = None, model_bytes: dict[str, int] | None = None,
+                 budget_bytes: int | None = None, env: dict | None = None):
         """`engine`: keys of [engine] over the defaults; the fake engine serves one sequence at a time
-        unless it names `max_seqs`."""
+        unless it names `max_seqs`. `registry`: a directory of pins (`registry_dir` writes one), each
+        served by a fake engine of its own; `load_s` / `model_bytes`: per pin name, how long its load
+        takes and what it holds; `budget_bytes`: what all resident models may hold together."""
         engine = {"max_seqs": 1, **(engine or {})}
         cmd = [sys.executable, str(HERE / "gateway_fake_server.py"), str(model), "--fork", str(fork),
                "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:0", "--ctx", str(ctx),
                "--step-ms", str(step_ms), "--limits", json.dumps(limits or {}), "--engine", json.dumps(engine),
-               *(["--replay"] if replay else [])]
-        super().__init__(cmd, timeout_s)
+               *(["--replay"] if replay else []),
+               *(["--registry", str(registry)] if registry is not None else []),
+               *(["--max-loaded", str(max_loaded)] if max_loaded is not None else []),
+               *(["--keep-alive", keep_alive] if keep_alive is not None else []),
+               "--load-s", json.dumps(load_s or {}), "--model-bytes", json.dumps(model_bytes or {}),
+               *(["--budget-bytes", str(budget_bytes)] if budget_bytes is not None else [])]
+        super().__init__(cmd, timeout_s, env)
 
 
 class CliServer(_Server):

@@ -116,10 +116,12 @@ def test_what_serve_cannot_honour_is_refused_at_start_before_any_fetch(bankml_cm
     for argv, why in [
         (["--native", "--slot-dir", str(tmp_path)], "--native has no slot files yet"),
         (["--native", "--spawn", "/bin/true"], "--spawn: llama-server's flags (P0)"),
-        (["--native", "--registry"], "--registry: serving every model pinned in a directory is not built yet"),
+        (["--native", "--registry", str(tmp_path / "none")], f"--registry {tmp_path / 'none'}: not a directory"),
+        (["--native", "--registry"], f"--registry {tmp_path / 'forks'}: not a directory"),  # $BANKML_FORKS
+        (["--registry", str(tmp_path)], "--registry / [registry] dir: serving every pinned model is --native's"),
         (["--native", "--config", "nope"], "no config preset or file 'nope'"),
     ]:
-        r = run_cli(bankml_cmd, "serve", *argv, env=env)
+        r = run_cli(bankml_cmd, "serve", *argv, env={**env, "BANKML_FORKS": str(tmp_path / "forks")})
         assert r.returncode == 2 and r.stderr == f"bankml serve: refuse: {r.stderr.split('refuse: ', 1)[1]}"
         assert why in r.stderr, r.stderr
     assert not os.listdir(env["BANKML_MODELS"])

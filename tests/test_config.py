@@ -58,6 +58,9 @@ def test_presets_overlay_and_unknown_keys_refuse(tmp_path: Path):
         ('[serve]\nlisten = "nowhere"\n', "'serve.listen' 'nowhere' is not HOST:PORT"),
         ('[serve]\nkeep_alive = "5 minutes"\n', "'serve.keep_alive' '5 minutes' is not a duration"),
         ("[engine]\nmemory_fraction = 1.5\n", "'engine.memory_fraction' must be in (0, 1]"),
+        ("[registry]\nmax_loaded = 0\n", "'registry.max_loaded' must be positive, not 0"),
+        ("[registry]\ndir = 3\n", "'registry.dir' must be str, not int"),
+        ("[registry]\nmax_resident = 2\n", "unknown key 'registry.max_resident'"),
         ("[engine]\nn_slots = 4\n", "'engine.n_slots' is now 'engine.max_seqs'"),  # renamed: said, not ignored
         ("[engine]\nmax_seqs = 0\n", "'engine.max_seqs' must be positive, not 0"),
         ("[engine]\nmax_waiting = -1\n", "'engine.max_waiting' must be positive, not -1"),
@@ -92,6 +95,26 @@ def test_flags_override_config(tmp_path: Path):
     o = options("--config", str(conf), "--listen", "localhost:19001", "--ctx", "512", "--threads", "2")
     assert o.listen == ("localhost", 19001) and o.ctx == 512 and o.threads == 2
     assert o.upstream == o.compat_listen == ("127.0.0.1", 18092) and o.rule_set == "mainline"
+
+
+def test_the_registry_comes_from_its_table_or_the_flag(tmp_path: Path, monkeypatch):
+    o = options("--native")
+    assert (o.registry_dir, o.max_loaded) == (None, 3)  # the startup model only, three resident at most
+    conf = tmp_path / "reg.toml"
+    conf.write_text(f'[registry]\ndir = "{tmp_path}"\nmax_loaded = 2\n')
+    o = options("--native", "--config", str(conf))
+    assert (o.registry_dir, o.max_loaded) == (str(tmp_path), 2)
+    forks = tmp_path / "forks"
+    forks.mkdir()
+    assert options("--native", "--config", str(conf), "--registry", str(forks)).registry_dir == str(forks)
+    monkeypatch.setenv("BANKML_FORKS", str(forks))
+    assert options("--native", "--registry").registry_dir == str(forks)  # a bare flag
+    monkeypatch.delenv("BANKML_FORKS")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".local/share/bankml/forks").mkdir(parents=True)
+    assert options("--native", "--registry").registry_dir == str(tmp_path / ".local/share/bankml/forks")
+    with pytest.raises(ConfigInvalid, match="is --native's"):
+        options("--registry", str(forks))
 
 
 def test_keep_alive_is_ollamas_duration():

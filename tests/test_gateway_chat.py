@@ -166,12 +166,19 @@ def test_bad_requests_are_refused_in_llama_servers_error_shape(server, body, sta
                                   "type": "invalid_request_error" if status == 400 else "not_found_error"}}
 
 
-def test_any_model_name_is_answered_by_the_one_model_served(server):
-    # as llama-server does with one model: clients hard-code names; the answer says what answered
-    for name in ("gpt-4", "tiny-model.q8_0", ""):
+def test_the_model_is_resolved_by_its_pin_name_and_absent_means_the_startup_model(server):
+    # its name in any case, with :latest or .gguf, or none at all; the answer says what answered
+    for name in ("tiny-model.q8_0", "Tiny-Model.Q8_0.gguf", "tiny-model.q8_0:latest", "", None):
         r = post(server, "/v1/chat/completions", {"messages": HI, "model": name})
         assert r.status_code == 200 and r.json()["model"] == "Tiny-Model.Q8_0.gguf"
         assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+def test_a_model_name_that_does_not_resolve_is_a_404(server):
+    r = post(server, "/v1/chat/completions", {"messages": HI, "model": "gpt-4"})
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert message == "model 'gpt-4' not found: bankml serves pinned models only (tiny-model.q8_0)"
 
 
 def test_a_body_that_is_not_json_gets_the_json_librarys_parse_error(server):
@@ -330,11 +337,13 @@ def test_bankml_says_what_was_verified(server, pinned):
     r = httpx.get(server.url("/bankml"))
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     body = r.json()
-    assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models", "weights"]
+    assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models", "weights",
+                          "loaded"]
     assert body["weights"] is None  # the fake engine does not report its weights
     assert f'"model_sha256": "{pinned_sha(fork)}"' in r.text and '"verdict": "play"' in r.text
     assert body["model"] == str(model.resolve()) and body["upstream"] == f"127.0.0.1:{server.upstream_port}"
     assert body["resident"] == "tiny-model.q8_0" and body["models"] == ["tiny-model.q8_0"]
+    assert body["loaded"] == ["tiny-model.q8_0"]
     assert body["engine"].startswith("bankML ") and abs(body["hashed_at"] - time.time()) < 3600
 
 
@@ -415,7 +424,7 @@ def test_a_full_waiting_queue_is_a_503_with_retry_after_and_the_waiting_request_
                 assert "1 requests are waiting" in error["message"] and "max_waiting = 1" in error["message"]
             # the openai client reads it as a 503 (its own retries honour Retry-After)
             with pytest.raises(openai.InternalServerError) as e:
-                client(s).chat.completions.create(model="any", messages=HI)
+                client(s).chat.completions.create(model="tiny-model.q8_0", messages=HI)
             assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
             prom = prometheus(s)
             assert (prom["bankml_requests_running"][()], prom["bankml_requests_waiting"][()]) == (1, 1)

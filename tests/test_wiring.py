@@ -146,8 +146,9 @@ def test_engine_loads_the_device_layout_and_reports_it(tmp_path):
     assert engines["packed"].weights_report()["layout"] == "packed"
 
     # GET /bankml shows it for the resident engine
-    state = SimpleNamespace(residency=SimpleNamespace(last=None, resident=None, names=[]), compat_listen=None,
-                            client=SimpleNamespace(thread=SimpleNamespace(engine=engines["device"])))
+    loaded = SimpleNamespace(name="m", client=SimpleNamespace(thread=SimpleNamespace(engine=engines["device"])))
+    state = SimpleNamespace(residency=SimpleNamespace(last=None, names=["m"], resident=lambda: [loaded],
+                                                      most_recent=lambda: loaded), compat_listen=None)
     assert bankml_info(state)["weights"] == report
 
 
