@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 
@@ -169,3 +170,31 @@ def test_an_unknown_model_is_a_404(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="no-such-model", messages=HELLO)
     assert e.value.status_code == 404 and "not found" in e.value.error
+
+
+def test_logprobs_match_v1_and_their_hash_covers_what_was_sent(served):
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(served.url(path), content=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"}, timeout=600)
+
+    ask = {"model": STARTUP, "messages": HELLO, "logprobs": True, "top_logprobs": 3}
+    r = post("/api/chat", {**ask, "stream": False, "options": {"temperature": 0, "num_predict": 6}})
+    obj = r.json()
+    entries = obj["logprobs"]
+    assert entries and all("id" not in e and len(e["top_logprobs"]) == 3 for e in entries)
+    assert "".join(e["token"] for e in entries) == obj["message"]["content"]
+    array = re.search(r'"logprobs": (\[.*\]), "bankml_receipt"', r.text).group(1)
+    assert obj["bankml_receipt"]["logprobs_sha256"] == sha(array)
+    v1 = post("/v1/chat/completions", {**ask, "temperature": 0, "max_tokens": 6}).json()
+    v1_entries = v1["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["logprob"]) for e in entries] == [(e["token"], e["logprob"]) for e in v1_entries]
+    assert [[t["token"] for t in e["top_logprobs"]] for e in entries] == \
+        [[t["token"] for t in e["top_logprobs"]] for e in v1_entries]
+    # streamed: each line carries its tokens' entries; the hash is over the lines' arrays joined
+    r = post("/api/chat", {**ask, "options": {"temperature": 0, "num_predict": 6}})
+    lines = r.text.splitlines()
+    arrays = [m.group(1) for m in (re.search(r'"logprobs": (\[.*\])\}$', x) for x in lines[:-1]) if m]
+    assert "[" + ", ".join(a[1:-1] for a in arrays) + "]" == array
+    assert json.loads(lines[-1])["bankml_receipt"]["logprobs_sha256"] == sha(array)
+    with pytest.raises(ollama.ResponseError, match="top_logprobs must be between 0 and 20"):
+        ollama.Client(host=served.url()).chat(model=STARTUP, messages=HELLO, top_logprobs=21)
