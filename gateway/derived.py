@@ -321,7 +321,8 @@ def _fork_name(registry: Any, pin: Any) -> str:
                 continue
     if not candidates:
         raise InvalidRequest(f"{pin.file_name}: its FORK.json is not in the registry directory "
-                             f"{registry.directory}; a derived model records its base's pin there")
+                             f"{registry.directory}; a derived model records its base's pin there (copy the "
+                             "FORK.json that pins it into that directory)")
     fork = os.path.abspath(candidates[0])
     inside = registry.directory and os.path.dirname(fork) == os.path.abspath(registry.directory)
     return os.path.basename(fork) if inside else fork
@@ -349,7 +350,7 @@ def _resolve_from(registry: Any, value: str, base_dir: str | None) -> tuple[Any,
         return pin, None
     try:
         resolved = registry.resolve(value)
-    except ModelNotFound as e:
+    except BankmlError as e:  # not found, or a derived model refused (edited by hand, its base changed)
         raise InvalidRequest(f"FROM {value}: {e.message}") from None
     return resolved.pin, resolved.derived
 
@@ -571,8 +572,8 @@ def parameters_text(layer: Layer) -> str:
 def show_fields(d: Derived) -> dict:
     """What `/api/show` adds to or replaces in its base's answer for a derived model. Top-level keys replace
     the base's (`modelfile`, `parameters`, `modified_at`, and `system`, `license`, `messages` when the layer has
-    them); `details` and `bankml` are dicts to merge key by key into the base's (`details.parent_model`,
-    `bankml.layer`)."""
+    them); `bankml` is a dict to merge key by key into the base's (`bankml.layer`). `details.parent_model` is
+    the base's tag, which /api/show sets itself."""
     layer = d.layer
     out: dict[str, Any] = {"modelfile": modelfile_of(d), "parameters": parameters_text(layer),
                            "modified_at": d.created_at}
@@ -582,7 +583,6 @@ def show_fields(d: Derived) -> dict:
         out["license"] = "\n".join(layer.license)
     if layer.messages:
         out["messages"] = [dict(m) for m in layer.messages]
-    out["details"] = {"parent_model": f"{d.base_name}:latest"}
     out["bankml"] = {"layer": {"derived": True, "digest": d.digest, "base_sha256": d.base_sha256,
                                "base_fork": d.base_fork}}
     return out

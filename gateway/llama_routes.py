@@ -22,6 +22,7 @@ from bankml import __version__, jstr
 from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, NotSupported, Overloaded
 from gateway.chat_request import check_messages, parse_body
 from gateway.errors import json_response
+from gateway.ollama_models import v1_models_data
 from gateway.sanic_app import query_of, takes_query
 from model.messages import SamplingParams, SequenceState
 
@@ -61,11 +62,6 @@ async def props(request, state):
 
 async def models(request, state):
     return json_response(jstr.dumps({"object": "list", "data": v1_models_data(state.registry)}))
-
-
-def v1_models_data(registry) -> list[dict[str, Any]]:
-    """Every pin, by its file name (REGISTRY's gateway.ollama_models.v1_models_data replaces this)."""
-    return [{"id": p.file_name, "object": "model", "owned_by": "bankML"} for p in registry.pins]
 
 
 async def tokenize(request, state):

@@ -363,6 +363,8 @@ def spec_from_request(body: Mapping[str, Any]) -> ModelSpec:
         for m in messages:
             if not isinstance(m, Mapping) or m.get("role") not in ROLES:
                 raise InvalidRequest(f"messages: {_BAD_ROLE}")
+            if _present(m.get("images")) or _present(m.get("tool_calls")):
+                raise InvalidRequest("messages: only text content is in scope (no images, no tool calls)")
             content = m.get("content")
             if content is not None and not isinstance(content, str):
                 raise InvalidRequest("messages: content must be a string")

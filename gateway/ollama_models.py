@@ -10,7 +10,7 @@ Key orders are Ollama's (api/types.go), since clients and tests compare the byte
 
 from __future__ import annotations
 
-import math
+import asyncio
 import time
 from typing import Any
 
@@ -19,7 +19,9 @@ import numpy as np
 from bankml import __version__, jstr
 from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from gateway.chat_request import parse_body
+from gateway.derived import Derived, show_fields
 from gateway.errors import json_response
+from gateway.ollama_shapes import created_at
 from gateway.registry import Pin, Registry, model_name
 from gateway.request_fields import gguf_defaults
 
@@ -28,15 +30,6 @@ PIN_STOP = "<|im_end|>"  # /api/show's parameters name this stop for every pin (
 # ShowResponse's field order (api/types.go), then ours
 SHOW_ORDER = ("license", "modelfile", "parameters", "template", "system", "details", "messages", "model_info",
               "capabilities", "modified_at", "bankml")
-
-
-def created_at(t: float) -> str:
-    """RFC3339 in UTC with exactly 9 fractional digits and "Z" (Ollama's time.Time in JSON)."""
-    s = math.floor(t)
-    frac = round((t - s) * 1e9)  # t * 1e9 would lose the fraction's digits to the seconds'
-    if frac == 1_000_000_000:
-        s, frac = s + 1, 0
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(s)) + f".{frac:09d}Z"
 
 
 def _num(v: Any) -> str:
@@ -62,10 +55,10 @@ def tag_entry(pin: Pin) -> dict:
             "digest": pin.sha256, "details": details(pin), "bankml": _bankml_listing(pin)}
 
 
-def _derived_with_base(registry: Registry) -> list[tuple[Any, Pin]]:
+def _derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
     out = []
     for d in registry.derived.all():
-        base = registry.pin(d.base_name)
+        base = registry.derived.base_pin(d)
         if base is not None:
             out.append((d, base))
     return out
@@ -115,10 +108,8 @@ def show_pin(pin: Pin, n_ctx: int | None) -> dict:
     }
 
 
-def show_derived(d: Any, base: Pin, n_ctx: int | None) -> dict:
+def show_derived(d: Derived, base: Pin, n_ctx: int | None) -> dict:
     """The base's answer with what the derived model changes (DERIVED's show_fields)."""
-    from gateway.derived import show_fields
-
     out = show_pin(base, n_ctx)
     out["details"] = details(base, base.tag)
     out["modified_at"] = d.created_at
@@ -135,7 +126,7 @@ def _n_ctx(state, pin: Pin) -> int | None:
     for rec in state.residency.ps():
         if rec.loaded.pin.name == pin.name:
             return int(rec.loaded.model.n_ctx)
-    return state.residency.n_ctx
+    return state.residency.ctx
 
 
 # --- /api/ps -----------------------------------------------------------------------------------------
@@ -166,18 +157,20 @@ async def version(request, state):
 
 
 async def tags(request, state):
-    return json_response(jstr.dumps(tags_body(state.registry)))
+    # off the loop: each derived model's manifest is read (and its digest checked) from disk
+    return json_response(jstr.dumps(await asyncio.to_thread(tags_body, state.registry)))
 
 
 async def ps(request, state):
-    now = time.time()
-    return json_response(jstr.dumps({"models": [ps_entry(state.registry, r, now) for r in state.residency.ps()]}))
+    records, now = state.residency.ps(), time.time()
+    entries = await asyncio.to_thread(lambda: [ps_entry(state.registry, r, now) for r in records])
+    return json_response(jstr.dumps({"models": entries}))
 
 
-async def show(request, state):
-    """POST /api/show: `model` (or `name`); any failure is a 404 (Ollama's own answer to a bad show)."""
+def show_body(state, raw: bytes) -> dict:
+    """POST /api/show's answer; any failure is a ModelNotFound (spec §1.5: a 404)."""
     try:
-        body = parse_body(request.body)
+        body = parse_body(raw)
         if not isinstance(body, dict):
             raise InvalidRequest("body is not a JSON object")
         text = body.get("model") or body.get("name")
@@ -190,5 +183,9 @@ async def show(request, state):
         raise ModelNotFound(e.message) from None
     pin = resolved.pin
     n_ctx = _n_ctx(state, pin)
-    out = show_pin(pin, n_ctx) if resolved.derived is None else show_derived(resolved.derived, pin, n_ctx)
-    return json_response(jstr.dumps(out))
+    return show_pin(pin, n_ctx) if resolved.derived is None else show_derived(resolved.derived, pin, n_ctx)
+
+
+async def show(request, state):
+    """POST /api/show: `model` (or `name`), a pin or a derived model (off the loop: it reads the manifest)."""
+    return json_response(jstr.dumps(await asyncio.to_thread(show_body, state, request.body)))

@@ -21,7 +21,6 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -30,30 +29,13 @@ from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.guard import GGUFArray, Report, guard_file
 from bankml.pin import pinned_sha256
 from bankml.verify import GatedModel
+from gateway.derived import Derived, DerivedStore
 from gateway.request_fields import gguf_defaults
+from kernels.supported_types import SUPPORTED_TYPES
 from model.chat_template import TemplateError, _compile
 from model.config import Config, UnsupportedModel
 from model.messages import SamplingParams
 from model.tokenizer_bpe import PRE_TOKENIZERS
-
-try:  # DERIVED's module; until their branch is merged, an empty store
-    from gateway.derived import Derived, DerivedStore
-except ImportError:  # pragma: no cover - removed at the merge
-    Derived = Any  # type: ignore[misc,assignment]
-
-    class DerivedStore:  # type: ignore[no-redef]
-        def __init__(self, directory: str | None):
-            self.directory = directory
-
-        def load(self, pins: list) -> None:
-            pass
-
-        def get(self, name: str) -> None:
-            return None
-
-        def all(self) -> list:
-            return []
-
 
 log = logging.getLogger("bankml.gateway")
 
@@ -146,14 +128,6 @@ class _Counted:
         return self.count
 
 
-@cache
-def _engine_types() -> dict[int, str]:
-    # kernels.dequant holds the one type table the engine loads; it imports jax, so only when needed
-    from kernels.dequant import SUPPORTED_TYPES
-
-    return SUPPORTED_TYPES
-
-
 def header_info(report: Report) -> HeaderInfo:
     """What /api/tags and /api/show say about a file, from the guard's parse of its header."""
     kv = report.metadata
@@ -188,7 +162,7 @@ def native_reason(report: Report) -> str | None:
         return str(e)
     except (TypeError, ValueError) as e:
         return f"the header's model configuration cannot be read: {e}"
-    supported = _engine_types()
+    supported = SUPPORTED_TYPES
     bad = sorted({t.type_id for t in report.tensor_infos if t.type_id not in supported})
     if bad:
         first = next(t for t in report.tensor_infos if t.type_id == bad[0])
@@ -285,7 +259,10 @@ class Registry:
             except (OSError, UnicodeDecodeError) as e:
                 log.warning("%s skipped: %s", fork_path, e)
                 continue
-            for entry in _fork_files(text):
+            entries = _fork_files(text)
+            if not entries:
+                log.warning("%s pins no .gguf file: skipped", fork_path)
+            for entry in entries:
                 file_name = os.path.basename(entry)
                 name = model_name(file_name)
                 if not name or name in seen:
@@ -293,7 +270,8 @@ class Registry:
                 seen.add(name)
                 found = [p for p in (os.path.join(beside, file_name), os.path.join(directory, file_name))
                          if os.path.isfile(p)]
-                self.pins.append(make_pin(file_name, pinned_sha256(text, entry), text, fork_path,
+                # the load pins the basename (bankml.pin.pin), so the record must be under it
+                self.pins.append(make_pin(file_name, pinned_sha256(text, file_name), text, fork_path,
                                           found[0] if found else None, rule_set))
         self.derived = DerivedStore(directory)
         self.derived.load(self.pins)
@@ -319,7 +297,7 @@ class Registry:
             return Resolved(exact, None, exact.tag)
         d = self.derived.get(name)
         if d is not None:
-            base = self.pin(d.base_name)
+            base = self.derived.base_pin(d)  # by name, else by file (as the store binds it)
             if base is None:
                 raise InvalidRequest(f"derived model '{d.name}' is built on '{d.base_name}', which is not in "
                                      "the registry")

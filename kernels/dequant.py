@@ -30,23 +30,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, ReaderTensor
 
 from kernels.dequant_ref import BLOCK_LAYOUT, dequantize_jax, dequantize_numpy
-
-# ggml type id -> name: the complete set this engine loads.
-SUPPORTED_TYPES: dict[int, str] = {
-    0: "F32",
-    1: "F16",
-    30: "BF16",
-    2: "Q4_0",
-    3: "Q4_1",
-    6: "Q5_0",
-    7: "Q5_1",
-    8: "Q8_0",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
-}
+from kernels.supported_types import SUPPORTED_TYPES  # the one table; re-exported here
 
 # jax.default_backend() -> dequant path. Anything else is refused rather than guessed.
 PATH_FOR_BACKEND: dict[str, str] = {

@@ -238,6 +238,14 @@ def test_a_hand_edited_manifest_is_refused(registry, reg_dir, caplog):
         read_manifest(str(path))
 
 
+def test_from_a_tampered_derived_model_is_refused(registry, reg_dir):
+    run(registry, "src", "FROM base-model.q8_0\nSYSTEM x\n")
+    path = reg_dir / "src.MODEL.json"
+    path.write_text(path.read_text().replace('"system": "x"', '"system": "y"'))
+    with pytest.raises(InvalidRequest, match="FROM src: src.MODEL.json was edited by hand"):
+        run(registry, "dst", "FROM src\n")
+
+
 def test_a_base_whose_pin_changed_is_refused_naming_both(registry, reg_dir, startup_gated):
     run(registry, "bound", "FROM base-model.q8_0\n")
     old = registry.pin("base-model.q8_0").sha256
@@ -341,6 +349,6 @@ def test_show_fields_regenerate_the_modelfile(registry):
     assert f["parameters"] == "temperature                    0.7\nstop                           \"<|im_end|>\""
     assert f["system"] == 'two\nlines "q" ' and f["license"] == "MIT"
     assert f["messages"] == [{"role": "user", "content": "hi"}] and f["modified_at"] == d.created_at
-    assert f["details"] == {"parent_model": "base-model.q8_0:latest"}
+    assert "details" not in f  # /api/show sets details.parent_model over the base's details
     assert f["bankml"]["layer"] == {"derived": True, "digest": d.digest, "base_sha256": d.base_sha256,
                                     "base_fork": f"{BASE}.FORK.json"}

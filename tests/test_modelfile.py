@@ -170,7 +170,8 @@ def test_structured_form():
            ({"from": "b", "parameters": {"num_ctx": 10.5}}, "not an integer"),
            ({"from": "b", "parameters": {"temperature": "hot"}}, "parameters.temperature must be a number"),
            ({"from": "b", "messages": [{"role": "tool", "content": "x"}]}, "message role"),
-           ({"from": "b", "parameters": []}, "parameters must be an object")]
+           ({"from": "b", "parameters": []}, "parameters must be an object"),
+           ({"from": "b", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "only text")]
     for body, why in bad:
         with pytest.raises(InvalidRequest) as e:
             spec_from_request(body)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import gguf
 import ollama
 import pytest
-from gateway_helpers import tiny_model
+from gateway_helpers import FakeServer, exchange, registry_dir, request_bytes, split_response, tiny_model
 from tiny_gguf import write_tiny_gguf
 
 from bankml import __version__
@@ -21,6 +21,7 @@ from bankml.errors import BankmlError, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
 from gateway import ollama_models
+from gateway.derived import create
 from gateway.errors import Api, status_of
 from gateway.registry import Registry
 
@@ -42,9 +43,9 @@ def registry(tmp_path_factory) -> Registry:
 
 
 class FakeResidency:
-    def __init__(self, records=(), n_ctx=2048):
+    def __init__(self, records=(), ctx=2048):
         self.records = list(records)
-        self.n_ctx = n_ctx
+        self.ctx = ctx
 
     def ps(self):
         return self.records
@@ -220,3 +221,133 @@ def test_copied_startup_file_keeps_one_listing(tmp_path, registry):
     shutil.copyfile(fork, tmp_path / "d" / "Same.gguf.FORK.json")
     reg = Registry(gate_model(str(model), fork.read_text()), str(tmp_path / "d"))
     assert [m["name"] for m in ollama_models.tags_body(reg)["models"]] == ["same:latest"]
+
+
+# --- derived models ---------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def with_derived(tmp_path) -> Registry:
+    model, fork = tiny_model(tmp_path / "start", "Start.gguf")
+    reg_dir = tmp_path / "dir"
+    base, base_fork = tiny_model(reg_dir, "Base-Q8_0.gguf")
+    reg = Registry(gate_model(str(model), fork.read_text()), str(reg_dir))
+    steps = list(create(reg, "persona", 'FROM base-q8_0\nSYSTEM "be brief"\nPARAMETER temperature 0.25\n'
+                                        "LICENSE MIT\n"))
+    assert steps[-1] == "success"
+    return reg
+
+
+def test_tags_and_v1_list_a_derived_model_after_the_pins(with_derived):
+    reg = with_derived
+    base, d = reg.pin("base-q8_0"), reg.derived.get("persona")
+    models = json.loads(call(ollama_models.tags, state_of(reg)))["models"]
+    assert [m["name"] for m in models] == ["start:latest", "base-q8_0:latest", "persona:latest"]
+    pin_entry, entry = models[1], models[2]
+    assert list(entry) == list(pin_entry)
+    assert entry["modified_at"] == d.created_at and RFC3339_NS.match(entry["modified_at"])
+    assert entry["size"] == base.size and entry["digest"] == d.digest and d.digest.startswith("sha256:")
+    assert entry["details"] == {**pin_entry["details"], "parent_model": "base-q8_0:latest"}
+    assert entry["bankml"] == pin_entry["bankml"]  # only the four fields differ
+    assert {k for k in entry if entry[k] != pin_entry[k]} == {"name", "model", "modified_at", "digest", "details"}
+    assert ollama_models.v1_models_data(reg)[-1] == {"id": "persona:latest", "object": "model", "owned_by": "bankML"}
+
+
+def test_show_a_derived_model(with_derived):
+    reg = with_derived
+    d = reg.derived.get("persona")
+    base_out = json.loads(call(ollama_models.show, state_of(reg), b'{"model": "base-q8_0"}'))
+    text = call(ollama_models.show, state_of(reg), b'{"model": "persona:latest"}')
+    out = json.loads(text)
+    assert list(out) == ["license", "modelfile", "parameters", "template", "system", "details", "model_info",
+                         "capabilities", "modified_at", "bankml"]
+    assert out["system"] == "be brief" and out["license"] == "MIT"
+    assert out["parameters"] == "temperature                    0.25"  # keys padded to 30
+    assert out["modelfile"].startswith("# bankml") and "FROM base-q8_0" in out["modelfile"]
+    assert out["details"] == {**base_out["details"], "parent_model": "base-q8_0:latest"}
+    assert out["model_info"] == base_out["model_info"] and out["template"] == base_out["template"]
+    assert out["modified_at"] == d.created_at
+    assert out["bankml"] == {**base_out["bankml"], "layer": {"derived": True, "digest": d.digest,
+                                                            "base_sha256": d.base_sha256, "base_fork": d.base_fork}}
+    shown = ollama.ShowResponse.model_validate_json(text)
+    assert shown.license == "MIT" and shown.details.parent_model == "base-q8_0:latest"
+
+
+def test_ps_shows_the_derived_name_the_last_request_used(with_derived):
+    reg = with_derived
+    base, d = reg.pin("base-q8_0"), reg.derived.get("persona")
+    rec = record(base, shown_as="persona:latest")
+    entry = json.loads(call(ollama_models.ps, state_of(reg, FakeResidency([rec]))))["models"][0]
+    assert (entry["name"], entry["model"], entry["digest"]) == ("persona:latest", "persona:latest", d.digest)
+    assert entry["details"]["parent_model"] == "base-q8_0:latest"
+    # the same record over other weights falls back to that pin's tag
+    other = record(reg.startup, shown_as="persona:latest")
+    entry = json.loads(call(ollama_models.ps, state_of(reg, FakeResidency([other]))))["models"][0]
+    assert (entry["name"], entry["digest"]) == ("start:latest", reg.startup.sha256)
+
+
+# --- over HTTP, with the real ollama client ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("live")
+    model, fork = tiny_model(root / "start", "Start-Model.Q8_0.gguf")
+    reg_dir = registry_dir(root / "reg", ["Model-B.Q8_0.gguf"])
+    (reg_dir / "Gone.gguf.FORK.json").write_text(json.dumps(
+        {"files": [{"path": "Gone.gguf", "bytes": 5, "sha256": "cd" * 32}]}))
+    server = FakeServer(model, fork, registry=reg_dir)
+    try:
+        yield server, ollama.Client(host=f"http://127.0.0.1:{server.port}")
+    finally:
+        server.stop()
+
+
+def test_the_ollama_client_lists_shows_and_ps(live):
+    server, client = live
+    listed = client.list()
+    assert [m.model for m in listed.models] == ["start-model.q8_0:latest", "gone:latest", "model-b.q8_0:latest"]
+    assert listed.models[2].details.family == "llama" and listed.models[2].size > 0
+    shown = client.show("Model-B.Q8_0")
+    assert shown.modelinfo["llama.context_length"] == 4096 and shown.capabilities == ["completion"]
+    assert shown.parameters.startswith("temperature 0.8\ntop_k 40\n")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("nope")
+    assert e.value.status_code == 404
+    assert e.value.error == ("model 'nope' not found: bankml serves pinned models only "
+                             "(start-model.q8_0, gone, model-b.q8_0)")
+    running = client.ps().models
+    assert [m.model for m in running] == ["start-model.q8_0:latest"]  # the startup model, kept forever
+    assert running[0].expires_at.year >= time.gmtime().tm_year + 291
+
+
+def test_version_and_tags_bytes_on_the_wire(live):
+    server, _ = live
+    status, headers, body = split_response(exchange(server.port, request_bytes("GET", "/api/version")))
+    assert (status, body) == (200, f'{{"version": "{__version__}", "bankml": true}}'.encode())
+    assert headers["content-type"].startswith("application/json")
+    status, _, body = split_response(exchange(server.port, request_bytes("GET", "/api/tags")))
+    assert status == 200 and body.startswith(b'{"models": [{"name": "start-model.q8_0:latest", "model": ')
+    status, _, body = split_response(exchange(server.port, request_bytes("POST", "/api/show", body=b"{bad")))
+    assert status == 404 and json.loads(body)["error"]
+
+
+def test_a_derived_model_through_the_client(live):
+    # runs after the listing tests above: it adds a derived model and loads its base
+    server, client = live
+    assert client.create(model="persona", from_="model-b.q8_0", system="be brief").status == "success"
+    listed = {m.model: m for m in client.list().models}
+    entry, base = listed["persona:latest"], listed["model-b.q8_0:latest"]
+    assert list(listed)[-1] == "persona:latest" and entry.digest.startswith("sha256:")
+    assert entry.size == base.size and entry.details.parent_model == "model-b.q8_0:latest"
+    shown = client.show("persona")
+    assert shown.details.parent_model == "model-b.q8_0:latest" and "be brief" in shown.modelfile
+    status, _, body = split_response(exchange(server.port, request_bytes("GET", "/v1/models")))
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [
+        "Start-Model.Q8_0.gguf", "Gone.gguf", "Model-B.Q8_0.gguf", "persona:latest"]
+    client.generate(model="persona", prompt="", keep_alive="10m")  # an empty prompt only loads
+    running = {m.model: m for m in client.ps().models}
+    assert running["persona:latest"].digest == entry.digest
+    assert running["persona:latest"].details.parent_model == "model-b.q8_0:latest"
+    left_s = running["persona:latest"].expires_at.timestamp() - time.time()
+    assert 500 < left_s <= 600

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from tiny_gguf import write_tiny_gguf
 from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
+from gateway.derived import create, write_manifest
 from gateway.registry import Registry, human_number
 
 
@@ -122,6 +126,23 @@ def test_absent_and_unpinned_files_are_listed_with_their_reason(tmp_path, tiny_f
     assert bad.info is not None  # the header is still described
 
 
+def test_records_are_matched_by_basename_and_bad_forks_skipped(tmp_path, tiny_file):
+    gated = startup(tmp_path / "start")
+    reg_dir = tmp_path / "reg"
+    reg_dir.mkdir()
+    shutil.copyfile(tiny_file, reg_dir / "Deep.gguf")
+    sha = fork_record(reg_dir / "Deep.gguf")["files"][0]["sha256"]
+    # a path with a folder names the file by its basename; its record must be under the basename (what a
+    # load pins), so this one is listed as unpinned
+    (reg_dir / "a.FORK.json").write_text(json.dumps({"files": [{"path": "sub/Deep.gguf", "sha256": sha}]}))
+    (reg_dir / "b.FORK.json").write_text("{not json")
+    (reg_dir / "c.FORK.json").write_bytes(b"\xff\xfe")
+    reg = Registry(gated, str(reg_dir))
+    assert reg.names() == ["startup-model.q8_0", "deep"]
+    deep = reg.pin("deep")
+    assert deep.path == str(reg_dir / "Deep.gguf") and not deep.native and "unpinned" in deep.reason
+
+
 def test_guard_refused_file_is_never_read_further(tmp_path):
     gated = startup(tmp_path / "start")
     junk = tmp_path / "junk.gguf"
@@ -193,11 +214,16 @@ def test_human_number_as_ollama():
 def test_twenty_pins_build_from_headers_only(tmp_path, tiny_file):
     gated = startup(tmp_path / "start")
     pin_files(tmp_path / "reg", "many", {f"M{i:02d}.gguf": tiny_file for i in range(20)})
-    Registry(gated, None)  # the first build imports the engine's type table
     t = time.perf_counter()
     reg = Registry(gated, str(tmp_path / "reg"))
     assert time.perf_counter() - t < 0.5
     assert len(reg.pins) == 21 and all(p.native for p in reg.pins)
+
+
+def test_judging_headers_imports_no_jax():
+    code = "import sys, gateway.registry, gateway.ollama_models; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 # --- resolution -------------------------------------------------------------------------------------
@@ -251,7 +277,41 @@ def test_404_cuts_a_long_name(reg):
     assert e.value.message.startswith("model '" + "x" * 200 + "' not found: bankml serves pinned models only (")
 
 
-# --- derived names (with DERIVED's store; the stub resolves none) -----------------------------------
+# --- derived names --------------------------------------------------------------------------------
+
+
+def derive(reg: Registry, name: str, modelfile: str) -> None:
+    assert list(create(reg, name, modelfile))[-1] == "success"
+
+
+def test_derived_between_exact_and_alias(reg, tmp_path):
+    derive(reg, "persona", "FROM tiny-a-q8_0\nSYSTEM be brief\n")
+    derive(reg, "tiny-a", "FROM tiny-a-q8_0:latest\n")  # a derived model named like an alias of its pin
+    d = reg.derived.get("persona")
+    # a manifest named like a pin (create refuses one; written by hand here, digest intact) loses to the pin
+    write_manifest(dataclasses.replace(d, name="solo", manifest_path=str(tmp_path / "reg" / "solo.MODEL.json")))
+    assert reg.derived.get("solo") is not None
+
+    r = reg.resolve("Persona:latest")
+    assert (r.pin, r.tag, r.derived.name, r.derived.digest) == (reg.pin("tiny-a-q8_0"), "persona:latest", "persona",
+                                                                d.digest)
+    r = reg.resolve("tiny-a")
+    assert (r.pin, r.tag, r.derived.name) == (reg.pin("tiny-a-q8_0"), "tiny-a:latest", "tiny-a")
+    r = reg.resolve("solo")
+    assert (r.pin, r.derived, r.tag) == (reg.pin("solo"), None, "solo:latest")
+    assert reg.resolve("tiny-a-f16").derived is None  # the alias is a pin's, not a derived model's
+    with pytest.raises(ModelNotFound, match=r"\(start, solo, .*, smollm2-135m-instruct-q4_k_m, persona, solo, "
+                                            r"tiny-a\)$"):
+        reg.resolve("nope")
+
+
+def test_a_derived_model_whose_base_pin_is_gone_is_a_400(reg, tmp_path):
+    derive(reg, "persona", "FROM solo\n")
+    (tmp_path / "reg2").mkdir()
+    shutil.copyfile(tmp_path / "reg" / "persona.MODEL.json", tmp_path / "reg2" / "persona.MODEL.json")
+    later = Registry(startup(tmp_path / "start", "Start.gguf"), str(tmp_path / "reg2"))
+    with pytest.raises(InvalidRequest, match="persona: its base Solo.gguf .* is not pinned in the registry"):
+        later.resolve("persona")
 
 
 def test_no_directory_means_an_empty_derived_store(tmp_path):
@@ -261,9 +321,9 @@ def test_no_directory_means_an_empty_derived_store(tmp_path):
         reg.resolve("anything")
 
 
-def test_a_derived_whose_base_is_gone_is_a_400(reg, monkeypatch):
-    class D:
-        name, base_name, tag = "mine", "vanished", "mine:latest"
+def test_a_derived_whose_base_the_registry_lacks_is_a_400(reg, monkeypatch):
+    class D:  # what a store bound to other pins could hand back
+        name, base_name, base_file, tag = "mine", "vanished", "Vanished.gguf", "mine:latest"
 
     monkeypatch.setattr(reg.derived, "get", lambda name: D() if name == "mine" else None)
     with pytest.raises(InvalidRequest, match="derived model 'mine' is built on 'vanished', which is not in the"):
