@@ -19,6 +19,7 @@ from bankml import __version__
 from bankml.config import (
     RULE_SETS,
     ServeOptions,
+    default_registry_dir,
     load_config,
     parse_host_port,
     parse_keep_alive,
@@ -316,19 +317,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(path, fork_text, options)
 
 
-def registry_dir(value: str | None) -> str:
-    """--registry DIR; bare (or, for create, absent): $BANKML_FORKS, else ~/.local/share/bankml/forks."""
-    if value:
-        return os.path.expanduser(value)
-    return os.environ.get("BANKML_FORKS") or os.path.expanduser("~/.local/share/bankml/forks")
-
-
 def cmd_create(args: argparse.Namespace) -> int:
     """`bankml create NAME -f Modelfile`: Ollama's status lines on stdout, the manifest in the registry."""
     from gateway.derived import create
     from gateway.registry import Registry
 
-    directory = registry_dir(args.registry)
+    directory = os.path.expanduser(args.registry or default_registry_dir())  # bare or absent: the default
     try:
         try:
             text = Path(args.modelfile).read_text(encoding="utf-8")

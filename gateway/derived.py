@@ -26,6 +26,7 @@ from typing import Any
 from bankml import __version__
 from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from bankml.jstr import jstr
+from bankml.pin import pinned_sha256
 from bankml.verify import gate_model
 from gateway.modelfile import (
     PARAMETERS,
@@ -310,8 +311,6 @@ def _fork_name(registry: Any, pin: Any) -> str:
     """The FORK.json that pins the base: its file name when it is in the registry directory, else its path."""
     candidates = [pin.fork_path] if pin.fork_path else []
     if registry.directory:
-        from bankml.pin import pinned_sha256
-
         for path in sorted(glob.glob(os.path.join(glob.escape(registry.directory), "*.FORK.json"))):
             try:
                 with open(path, encoding="utf-8") as f:

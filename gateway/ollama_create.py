@@ -90,7 +90,7 @@ async def create(request, state):
     if modelfile is not None and not isinstance(modelfile, str):
         raise InvalidRequest("modelfile must be a string")
     spec: Any = modelfile if modelfile and modelfile.strip() else body
-    ctx = getattr(getattr(state, "residency", None), "n_ctx", None)  # --ctx: a larger num_ctx gets a warning
+    ctx = getattr(getattr(state, "residency", None), "ctx", None)  # --ctx: a larger num_ctx gets a warning
     async with _one_at_a_time():
         steps = derived.create(registry, name, spec, ctx)
         first = await asyncio.to_thread(_step, steps)  # a refusal here is still an ordinary 400

@@ -352,3 +352,24 @@ def test_show_fields_regenerate_the_modelfile(registry):
     assert "details" not in f  # /api/show sets details.parent_model over the base's details
     assert f["bankml"]["layer"] == {"derived": True, "digest": d.digest, "base_sha256": d.base_sha256,
                                     "base_fork": f"{BASE}.FORK.json"}
+
+
+# --- the real model -------------------------------------------------------------------------------------------
+
+
+def test_over_the_real_smollm2_its_own_template_is_accepted(smollm2_path, smollm2_fork, tmp_path):
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    shutil.copyfile(smollm2_fork, reg / smollm2_fork.name)  # the startup model's pin, in the registry
+    registry = Registry(gate_model(str(smollm2_path), smollm2_fork.read_text()), str(reg))
+    pin = registry.startup
+    template = pin.info.chat_template
+    assert template and "<|im_start|>" in template
+    lines = run(registry, "smol-persona", {"from": pin.name, "template": template, "system": "Be brief.",
+                                           "parameters": {"temperature": 0.2}})
+    assert lines[1] == f"verifying {pin.file_name} (the guard, then its sha256 against {smollm2_fork.name})"
+    assert lines[2] == f"using existing layer sha256:{pin.sha256}"
+    d = registry.derived.get("smol-persona")
+    assert d.layer.template_sha256 == hashlib.sha256(template.encode()).hexdigest()
+    with pytest.raises(InvalidRequest, match="TEMPLATE"):
+        run(registry, "smol-other", {"from": pin.name, "template": template.replace("<|im_start|>", "<s>")})

@@ -4,52 +4,20 @@
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import httpx
 import ollama
 import pytest
-from gateway_helpers import _Server, tiny_model
+from gateway_helpers import FakeServer, tiny_model
 
 from gateway.derived import read_manifest
 
-HERE = Path(__file__).resolve().parent
 BASE = "Http-Base.Q8_0.gguf"
 
-# the gateway's app (routes, loopback rules, error rendering) over a registry and no engine: create, copy and
-# delete never touch one
-HARNESS = r"""
-import sys, types
-from sanic import Sanic
-from bankml.config import load_config
-from bankml.verify import gate_model
-from gateway.app import ROUTES, routes_text
-from gateway.loopback import make_protocol
-from gateway.registry import Registry
-from gateway.sanic_app import bind, sanic_app
-
-model, fork, directory = sys.argv[1:4]
-gated = gate_model(model, open(fork).read())
-state = types.SimpleNamespace(registry=Registry(gated, directory or None),
-                              residency=types.SimpleNamespace(n_ctx=4096))
-limits = load_config(None).limits
-app = sanic_app("create_test", limits, ROUTES, routes_text(), state)
-socks = [bind("127.0.0.1", 0), bind("127.0.0.1", 0)]
-for s in socks:
-    app.prepare(sock=s, protocol=make_protocol(limits), single_process=True, motd=False, access_log=False)
-ports = [s.getsockname()[1] for s in socks]
-print(f"listening on http://127.0.0.1:{ports[0]} and, for llama-server's clients, http://127.0.0.1:{ports[1]}",
-      file=sys.stderr, flush=True)
-Sanic.serve_single(app)
-"""
-
-
-class RegistryServer(_Server):
-    def __init__(self, model: Path, fork: Path, directory: Path | None):
-        super().__init__([sys.executable, "-c", HARNESS, str(model), str(fork), str(directory or "")], 60,
-                         env={"PYTHONPATH": f"{HERE.parent}:{HERE}"})
+def RegistryServer(model: Path, fork: Path, directory: Path | None) -> FakeServer:
+    """The fake server (the real gate, loopback rules, routes and registry, a fake engine) over `directory`."""
+    return FakeServer(model, fork, registry=directory)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +113,17 @@ def test_the_ollama_client(server, files):
     assert (d.layer.system, dict(d.layer.parameters), d.layer.stop, d.layer.license) == (
         "You are a pirate.", {"temperature": 0.5, "num_ctx": 1024}, ("END",), ("MIT",))
     assert d.layer.messages == ({"role": "user", "content": "who?"},)
+    # the layer is applied: its SYSTEM and MESSAGE are in the prompt (the fake engine's tokens are bytes)
+    hi = [{"role": "user", "content": "hi"}]
+    base = client.chat(model="http-base.q8_0", messages=hi, options={"num_predict": 2})
+    persona = client.chat(model="persona", messages=hi, options={"num_predict": 2})
+    assert persona.model == "persona:latest"
+    assert persona.prompt_eval_count - base.prompt_eval_count >= len("You are a pirate.") + len("who?")
+    v1 = httpx.post(server.url("/v1/chat/completions"), json={"model": "persona", "messages": hi, "max_tokens": 2},
+                    timeout=30).json()
+    v1_base = httpx.post(server.url("/v1/chat/completions"), json={"model": "http-base.q8_0", "messages": hi,
+                                                                   "max_tokens": 2}, timeout=30).json()
+    assert v1["usage"]["prompt_tokens"] - v1_base["usage"]["prompt_tokens"] >= len("You are a pirate.")
     streamed = [p.status for p in client.create(model="persona2", from_="persona", stream=True)]
     assert streamed[0] == "parsing modelfile" and streamed[-1] == "success"
     assert client.copy("persona", "persona3").status == "success"
@@ -172,17 +151,16 @@ def test_without_a_registry_create_and_copy_are_refused(files, tmp_path):
         s.stop()
 
 
-def test_a_manifest_survives_a_restart(files, tmp_path):
-    model, fork, reg = files
-    reg2 = tmp_path / "reg2"
-    shutil.copytree(reg, reg2)
-    s = RegistryServer(model, fork, reg2)
-    try:
-        assert post(s, "/api/create", {"model": "kept", "from": "http-base.q8_0", "stream": False})[0] == 200
-    finally:
-        s.stop()
-    s = RegistryServer(model, fork, reg2)
-    try:
-        assert post(s, "/api/copy", {"source": "kept", "destination": "kept2"})[0] == 200
-    finally:
-        s.stop()
+def test_tags_and_show_list_what_create_wrote(server, files):
+    reg = files[2]
+    post(server, "/api/create", {"model": "listed", "modelfile": "FROM http-base.q8_0\nSYSTEM hello\n"
+                                 "PARAMETER temperature 0.25\n", "stream": False})
+    d = read_manifest(str(reg / "listed.MODEL.json"))
+    tags = json.loads(httpx.get(server.url("/api/tags"), timeout=30).content)["models"]
+    entry = next(m for m in tags if m["name"] == "listed:latest")
+    assert entry["digest"] == d.digest and entry["details"]["parent_model"] == "http-base.q8_0:latest"
+    status, _, body = post(server, "/api/show", {"model": "listed"})
+    show = json.loads(body)
+    assert status == 200 and show["system"] == "hello" and show["bankml"]["layer"]["digest"] == d.digest
+    assert "PARAMETER temperature 0.25" in show["modelfile"] and show["details"]["parent_model"] == (
+        "http-base.q8_0:latest")
