@@ -8,10 +8,15 @@ import contextlib
 import hashlib
 import json
 import re
+import time
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
+import httpx
+import ollama
 import pytest
+from fake_engine import REPLY, REPLY_PIECES
+from gateway_helpers import FakeServer, tiny_model
 
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
@@ -348,3 +353,122 @@ def test_refused_routes_say_why():
                         ("/api/pull", "sha256-pinned"), ("/api/push", "publishes nothing")):
         with pytest.raises(InvalidRequest, match=words):
             _run(ollama_chat.refused, _Request({}, path), None)
+
+
+# --- end to end over the fake engine: two fake models in a registry -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ollama")
+    model, fork = tiny_model(root / "startup")
+    registry = root / "registry"
+    tiny_model(registry, "Tiny-Two.Q8_0.gguf")
+    return model, fork, registry
+
+
+@pytest.fixture(scope="module")
+def server(fake_models):
+    model, fork, registry = fake_models
+    s = FakeServer(model, fork, registry=registry)
+    yield s
+    s.stop()
+
+
+FIRST, SECOND = "tiny-model.q8_0", "tiny-two.q8_0"
+MSGS = [{"role": "user", "content": "hello"}]
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    return httpx.post(server.url(path), content=json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def _ps(server) -> list[str]:
+    return [m["name"] for m in httpx.get(server.url("/api/ps"), timeout=10).json()["models"]]
+
+
+def test_the_ndjson_stream_on_the_wire(server):
+    body = {"model": FIRST, "messages": MSGS}
+    raw = json.dumps(body).encode()
+    r = httpx.post(server.url("/api/chat"), content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+    assert r.text.endswith("}\n")
+    lines = [json.loads(x) for x in r.text.splitlines()]
+    pieces, final = lines[:-1], lines[-1]
+    assert [p["message"]["content"] for p in pieces] == REPLY_PIECES
+    for p in pieces:
+        assert list(p) == ["model", "created_at", "message", "done"] and p["done"] is False
+        assert p["model"] == f"{FIRST}:latest" and CREATED_AT.match(p["created_at"])
+    assert list(final) == FINAL_KEYS and final["done"] is True and final["done_reason"] == "stop"
+    assert final["message"] == {"role": "assistant", "content": ""}
+    for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+        assert type(final[k]) is int and final[k] >= 0
+    assert final["eval_count"] == len(REPLY_PIECES) and final["prompt_eval_count"] > 0
+    receipt = final["bankml_receipt"]
+    assert receipt["response_sha256"] == hashlib.sha256(REPLY.encode()).hexdigest()
+    assert receipt["request_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert list(receipt) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
+                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+
+
+def test_generate_as_one_json_body(server):
+    r = _post(server, "/api/generate", {"model": FIRST, "prompt": "hello", "stream": False,
+                                        "options": {"num_predict": 3}})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    obj = r.json()
+    assert list(obj) == ["model", "created_at", "response", *FINAL_KEYS[3:]]
+    assert obj["response"] == "".join(REPLY_PIECES[:3]) and obj["done_reason"] == "length"
+    assert obj["bankml_receipt"]["response_sha256"] == hashlib.sha256(obj["response"].encode()).hexdigest()
+
+
+def test_errors_are_ollamas_shape(server):
+    r = _post(server, "/api/chat", {"model": "no-such", "messages": MSGS})
+    assert r.status_code == 404 and list(r.json()) == ["error"] and "not found" in r.json()["error"]
+    r = _post(server, "/api/chat", {"messages": MSGS, "options": {"mirostat": 2}})
+    assert r.status_code == 400 and r.json()["error"].startswith("mirostat:")
+    r = httpx.post(server.url("/api/chat"), content=b"{", headers={"Content-Type": "application/json"})
+    assert (r.status_code, r.json()) == (400, {"error": "body is not JSON"})
+    for method, path in (("GET", "/api/nope"), ("GET", "/api/chat"), ("POST", "/api/tags")):
+        r = httpx.request(method, server.url(path), content=b"{}", headers={"Content-Type": "application/json"})
+        assert r.status_code == 404 and r.json()["error"].startswith("bankml serve --native (Ollama API): GET "
+                                                                     "/api/version")
+    for path in ("/api/embed", "/api/embeddings", "/api/pull", "/api/push"):
+        r = _post(server, path, {"model": FIRST})
+        assert r.status_code == 400 and r.json()["error"]
+
+
+def test_load_and_unload_by_an_empty_prompt(server):
+    r = _post(server, "/api/generate", {"model": SECOND, "keep_alive": "1h", "options": {"num_ctx": 1024}})
+    obj = r.json() if r.headers["content-type"] == "application/json" else json.loads(r.text)
+    assert r.status_code == 200 and obj["done_reason"] == "load" and obj["load_duration"] > 0
+    assert "eval_count" not in obj and "bankml_receipt" not in obj
+    ps = httpx.get(server.url("/api/ps")).json()["models"]
+    entry = next(m for m in ps if m["name"] == f"{SECOND}:latest")
+    assert entry["context_length"] == 1024
+    again = json.loads(_post(server, "/api/generate", {"model": SECOND}).text)
+    assert again["load_duration"] == 0  # resident already
+    gone = json.loads(_post(server, "/api/chat", {"model": SECOND, "messages": [], "keep_alive": 0}).text)
+    assert gone["done_reason"] == "unload" and gone["load_duration"] == 0
+    assert f"{SECOND}:latest" not in _ps(server)
+
+
+def test_the_ollama_client(server):
+    client = ollama.Client(host=server.url(), timeout=30)
+    out = client.chat(model=FIRST, messages=MSGS)
+    assert out.message.content == REPLY and out.done and out.model == f"{FIRST}:latest"
+    gen = client.generate(model=FIRST, prompt="hello")
+    assert gen.response == REPLY and gen.eval_count == len(REPLY_PIECES)
+    parts = list(client.generate(model=FIRST, prompt="hello", stream=True))
+    assert "".join(p.response for p in parts) == REPLY and parts[-1].done and not parts[0].done
+    parts = list(client.chat(model=FIRST, messages=MSGS, stream=True))
+    assert "".join(p.message.content for p in parts) == REPLY
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="no-such", messages=MSGS)
+    assert e.value.status_code == 404
+    # an answer with keep_alive 0: answered, then unloaded once idle
+    assert client.chat(model=SECOND, messages=MSGS, keep_alive=0).message.content == REPLY
+    deadline = time.monotonic() + 10
+    while f"{SECOND}:latest" in _ps(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"{SECOND}:latest" not in _ps(server)
