@@ -77,7 +77,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
 }
 
 
-ROOT_TEXT = "bankml is running (native)"  # GET / for clients that are not browsers; names no API it lacks
+ROOT_TEXT = "bankml is running (Ollama's API at /api, native only)"  # GET / for clients that are not browsers
 
 
 def routes_text() -> str:

@@ -126,7 +126,7 @@ def test_root_is_a_page_for_browsers_and_a_line_for_api_clients(server):
     assert "http://" not in page.text and "https://" not in page.text  # nothing outside this server
     for accept in ("*/*", "application/json", "text/html;q=0"):
         r = httpx.get(server.url("/"), headers={"Accept": accept})
-        assert r.status_code == 200 and r.text == "bankml is running (native)"
+        assert r.status_code == 200 and r.text == "bankml is running (Ollama's API at /api, native only)"
     status, headers, body = split_response(exchange(server.port, request_bytes("HEAD", "/")))
     assert status == 200 and body == b""
     assert httpx.get(server.url("/metrics?x=1")).status_code == 404  # exact targets, as every route
