@@ -186,6 +186,8 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     if fraction_note:
         log.warning("%s", fraction_note)
     registry = Registry(gated, options.registry_dir, options.rule_set)
+    if not registry.startup.native:
+        return _refuse(registry.startup.reason or f"{gated.path} cannot be played by this engine")
     several = len(registry.pins) > 1
     loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several)
     residency = Residency(registry, gated, loader, max_loaded=options.max_loaded, budget_bytes=0,

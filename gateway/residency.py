@@ -462,8 +462,12 @@ class Residency:
         self._notify()
 
     async def _stop(self, slot: _Slot) -> None:
-        """End the slot's engine thread (after its running iteration), which drops its engine."""
-        await asyncio.to_thread(slot.client.thread.stop)
+        """End the slot's engine thread (after its running iteration), which drops its engine. Answers it
+        still runs (only a changed file drops a held model) end with "the model was unloaded while it
+        answered"."""
+        thread = slot.client.thread
+        thread.call(partial(thread.set_engine, None))
+        await asyncio.to_thread(thread.stop)
         self._notify()
 
     def _spawn(self, coro) -> None:

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from gateway_helpers import HERE, free_port, tiny_model
+from gateway_helpers import HERE, FakeServer, free_port, registry_dir, tiny_model
+
+from bankml.pin import fork_record
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,3 +63,19 @@ def test_an_address_in_use_is_refused_and_the_other_one_is_let_go(tmp_path, busy
     assert want in r.stderr
     assert port_is_free(other)
 
+
+
+def test_a_registry_that_is_not_a_directory_is_refused_and_one_that_is_is_served(tmp_path):
+    model, fork = tiny_model(tmp_path / "startup")
+    r = fake_serve(model, fork, "--registry", str(tmp_path / "none"))
+    assert r.returncode == 2
+    assert f"bankml serve: refuse: --registry {tmp_path / 'none'}: not a directory" in r.stderr
+    reg = registry_dir(tmp_path / "reg", ["Model-A.Q8_0.gguf"])
+    (reg / "Junk.gguf").write_bytes(b"not a gguf" * 10)
+    (reg / "Junk.gguf.FORK.json").write_text(json.dumps(fork_record(reg / "Junk.gguf")))
+    server = FakeServer(model, fork, registry=reg)
+    try:
+        assert "models tiny-model.q8_0, model-a.q8_0 (at most 3 resident)" in server.log()
+        assert "Junk.gguf is listed, not served: guard refused" in server.log()
+    finally:
+        server.stop()

@@ -383,3 +383,40 @@ def test_the_server_serves_several_models_and_a_load_does_not_stall_the_others(t
         assert httpx.get(server.url("/health")).status_code == 200
     finally:
         server.stop()
+
+
+def test_with_several_pins_each_engine_gets_whole_contexts_and_says_what_it_holds(tmp_path):
+    # the real engine over a tiny GGUF: its pool is max_seqs whole contexts, not most of the device
+    from bankml.config import EngineConfig
+    from gateway.app import native_estimate
+    from model.engine_thread import load_engine, whole_contexts_bytes
+
+    model, _ = tiny_model(tmp_path)
+    engine, _ = load_engine(str(model), n_ctx=256, max_seqs=2, prefill_chunk=64, compile_cache_dir=None,
+                            whole_contexts=True)
+    pool = whole_contexts_bytes(str(model), n_ctx=256, max_seqs=2)
+    assert engine.pool.k.nbytes + engine.pool.v.nbytes == pool > 0
+    assert engine.memory_bytes() == engine.weights_report()["device_bytes"] + pool
+    estimate = native_estimate(256, EngineConfig(max_seqs=2))(str(model))
+    assert estimate == os.path.getsize(model) + pool
+
+
+def test_a_file_changed_under_an_answer_ends_that_answer_with_why(world_of):
+    w = world_of()
+    path = w.dir / "Model-A.Q8_0.gguf"
+
+    async def run():
+        async with w.res.lease(w.pin(A)) as held:
+            request = GenerateRequest(list(b"LONG"), SamplingParams(max_tokens=-1), request_id="long")
+            async with held.loaded.client.generate(request) as generation:
+                first = True
+                async for out in generation:
+                    if first:
+                        first = False
+                        os.utime(path, (time.time() + 5, time.time() + 5))
+                        with pytest.raises(ModelUnusable):  # the next request sees the change
+                            await w.use(A)
+                last = out
+        assert last.error == "the model was unloaded while it answered"
+
+    asyncio.run(run())
