@@ -17,8 +17,9 @@ Every model has an expiry (`touch`, Ollama's keep_alive): the startup model star
 loaded for a request the default keep-alive. The reaper (`reap`, once a second) drops expired models no
 answer holds; a keep_alive of 0 drops a model as soon as its last lease ends. Dropping stops the
 model's engine thread, which lets go of its engine (weights, KV pool).
-All bookkeeping runs on the event loop (no lock: nothing here awaits between a check and its change);
-verification runs on a worker thread, loads on the model's engine thread.
+All bookkeeping runs on the event loop (nothing here awaits between a check and its change; one
+asyncio lock makes the loads decide what to evict one at a time, in arrival order); verification runs
+on a worker thread, loads on the model's engine thread.
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ class Residency:
             slot.client.thread.meter = meter
 
     def resident(self) -> list[Loaded]:
-        """The loaded models, most recently used first."""
-        return [s.loaded for s in self._by_recency() if s.loaded is not None]
+        """The loaded models, most recently used first (the monitor's threads read it too)."""
+        return [loaded for loaded in (s.loaded for s in self._by_recency()) if loaded is not None]
 
     def most_recent(self) -> Loaded | None:
         r = self.resident()
@@ -288,7 +289,7 @@ class Residency:
         slot.leases -= 1
         slot.used_s = time.monotonic()
         if slot.leases == 0 and slot.drop_when_idle:
-            self._spawn(self._drop(slot, "keep_alive 0"))
+            self._drop_soon(slot, "keep_alive 0")
         self._notify()
 
     def _check_identity(self, slot: _Slot) -> None:
@@ -311,7 +312,10 @@ class Residency:
         does not cancel a load others wait for)."""
         pin = slot.pin
         try:
-            slot.estimate_bytes = await asyncio.to_thread(self.estimate, pin.path)
+            try:
+                slot.estimate_bytes = await asyncio.to_thread(self.estimate, pin.path)
+            except Exception:  # the header says nothing usable (verifying will say why): the file's size
+                slot.estimate_bytes = pin.size
             async with self._room_lock():  # one load at a time decides what goes, in arrival order
                 await self._make_room(slot)
                 slot.placed = True
@@ -376,7 +380,7 @@ class Residency:
             return
         if keep_alive_s <= 0:
             if slot.leases == 0:
-                self._spawn(self._drop(slot, "keep_alive 0"))
+                self._drop_soon(slot, "keep_alive 0")
             else:
                 slot.drop_when_idle = True
             return
@@ -453,6 +457,13 @@ class Residency:
         log.info("%s unloaded: %s", slot.pin.file_name, why)
         self._forget(slot)
         await self._stop(slot)
+
+    def _drop_soon(self, slot: _Slot, why: str) -> None:
+        """Gone from the resident models now (/api/ps says so at once); its thread stops in the background."""
+        if self._slots.get(slot.pin.name) is slot:
+            log.info("%s unloaded: %s", slot.pin.file_name, why)
+            self._forget(slot)
+            self._spawn(self._stop(slot))
 
     def _forget(self, slot: _Slot) -> None:
         if self._slots.get(slot.pin.name) is slot:
