@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -419,3 +420,39 @@ def test_a_file_changed_under_an_answer_ends_that_answer_with_why(world_of):
         assert len(outs) < 100 and outs[-1].error == "the model was unloaded while it answered"
 
     asyncio.run(run())
+
+
+def test_a_real_engine_dropped_by_the_residency_is_freed(tmp_path):
+    """The real engine over a tiny GGUF: once its model is dropped nothing the residency keeps (Loaded,
+    its NativeModel, the stopped engine thread, /bankml's `last`) holds the engine, its weights or pool."""
+    from bankml.config import EngineConfig
+    from gateway.app import native_estimate, native_loader
+
+    engine_cfg = EngineConfig(max_seqs=1, compile_cache_dir="")
+    model, fork = tiny_model(tmp_path / "startup")
+    reg = registry_dir(tmp_path / "reg", ["Model-A.Q8_0.gguf"])
+    gated = gate_model(str(model), fork.read_text())
+    registry = Registry(gated, str(reg))
+    res = Residency(registry, gated, native_loader(256, engine_cfg, whole_contexts=True), ctx=256,
+                    estimate=native_estimate(256, engine_cfg))
+    res.load_startup()
+    try:
+        async def run():
+            async with res.lease(registry.pin(A)) as held:
+                engine = held.loaded.client.thread.engine
+                assert held.loaded.size_bytes == engine.memory_bytes() > 0
+                text, _ = await answer(held.loaded)
+                freed = weakref.ref(engine)
+                del engine
+            assert await res.unload(A)
+            return freed, text
+
+        freed, text = asyncio.run(run())
+        for t in threading.enumerate():  # a background compile holds the engine until its program is done
+            if t.name == "bankml-compile":
+                t.join(120)
+        gc.collect()
+        assert freed() is None and isinstance(text, str)
+        assert res.last.name == A and [r.name for r in res.resident()] == [STARTUP]
+    finally:
+        res.stop_all()
