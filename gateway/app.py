@@ -77,7 +77,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
 }
 
 
-ROOT_TEXT = "bankml is running (native)"  # GET / for clients that are not browsers; names no API it lacks
+ROOT_TEXT = "bankml is running (Ollama's API at /api, native only)"  # GET / for clients that are not browsers
 
 
 def routes_text() -> str:
@@ -102,11 +102,11 @@ def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
     async def start_reaper(app) -> None:
         state.residency.start_reaper()
 
-    async def stop_models(app) -> None:
-        await state.residency.close()
+    async def stop_reaper(app) -> None:
+        state.residency.stop_reaper()  # the engine threads stop once the loop has ended (run_gateway)
 
     app.register_listener(start_reaper, "after_server_start")
-    app.register_listener(stop_models, "after_server_stop")
+    app.register_listener(stop_reaper, "after_server_stop")
     return app
 
 

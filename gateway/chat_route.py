@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`, top to bottom.
 
 1. read the JSON (off the loop) and resolve `model` in the registry (absent or empty: the startup
-   model; a name that does not resolve: 404); a derived model's layer goes over the body;
+   model; a name that does not resolve: 404); a derived model's layer goes over the body (its
+   num_ctx above --ctx is a 400; under it, the prompt must fit in it);
 2. read the fields as llama-server reads them (chat_request.parse_chat_request, with the model's
    sampling defaults): its 400 (or 500) before any model work, then ours for what this engine cannot do;
 3. lease the model for the whole answer: loaded if it is not resident (verified first), its file
@@ -26,8 +27,9 @@ import asyncio
 import time
 import uuid
 
-from bankml.errors import EngineFailed, EngineGone
+from bankml.errors import EngineFailed, EngineGone, InvalidRequest
 from gateway.chat_request import parse_body, parse_chat_request
+from gateway.derived import apply_openai, layer_num_ctx
 from gateway.errors import exceed_context, json_response, stream_error
 from gateway.monitoring import Answer
 from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
@@ -51,18 +53,24 @@ async def chat_completions(request, state):
     # off the loop: a 16 MiB body takes a while to parse, and other clients must not wait for it
     doc = await asyncio.to_thread(parse_body, body)
     resolved = state.registry.resolve(doc.get("model") if isinstance(doc, dict) else None)
+    n_ctx = state.residency.ctx  # what every engine holds
     if resolved.derived is not None:
-        from gateway.derived import apply_openai
-
-        doc = apply_openai(resolved.derived.layer, doc)
+        layer = resolved.derived.layer
+        doc = apply_openai(layer, doc)
+        num_ctx = layer_num_ctx(layer)
+        if num_ctx is not None and num_ctx > n_ctx:
+            raise InvalidRequest(f"num_ctx {num_ctx} is larger than the context this server holds ({n_ctx}); "
+                                 f"restart bankml serve with --ctx {num_ctx} if it fits in memory")
+        n_ctx = min(n_ctx, num_ctx or n_ctx)
     pin = resolved.pin
     defaults = pin.info.sampling if pin.info is not None else gguf_defaults({})
     chat = await asyncio.to_thread(parse_chat_request, doc, defaults)
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
-        if len(prompt) >= loaded.model.n_ctx:
-            raise exceed_context(len(prompt), loaded.model.n_ctx)
+        n_ctx = min(n_ctx, loaded.model.n_ctx)  # a derived model's num_ctx: its prompt must fit in that
+        if len(prompt) >= n_ctx:
+            raise exceed_context(len(prompt), n_ctx)
         shown = loaded.file_name if resolved.derived is None else resolved.tag
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), shown,
                                 include_usage=chat.include_usage)

@@ -429,11 +429,14 @@ class Residency:
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
 
-    async def close(self) -> None:
-        """Stop the reaper and every engine thread (the server's stop)."""
+    def stop_reaper(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
+
+    async def close(self) -> None:
+        """Stop the reaper and every engine thread."""
+        self.stop_reaper()
         for slot in list(self._slots.values()):
             self._forget(slot)
             await self._stop(slot)
