@@ -6,12 +6,13 @@
    `apply_ollama`); `keep_alive` (absent, null or blank: the default; a number or a numeric string is
    seconds; else a Go duration; 0 unloads, negative is forever); `stream` (default true);
 2. an empty prompt (chat: `messages` missing, not an array or []; generate: `prompt` missing or "")
-   only loads or unloads: nothing else is checked on that path (Ollama's runner does the same);
-3. the refusals, in order (`format`, `format` with raw, tools, images, suffix, template, context,
-   think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
+   only loads or unloads: nothing else is checked on that path (as in the Rust bankml);
+3. the refusals, in order (`format`, which covers `format` with raw, then tools, images, suffix,
+   template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
    pin's GGUF defaults through llama-server's own field table and checks, gateway/request_fields.py,
    so a bad value gets the message /v1 gives it), then the messages.
-Every refusal is a 400 `{"error"}` with the message of the Rust bankml (bankML/ollama.rs 0.4.2).
+Every refusal is a 400 `{"error"}`; where the Rust bankml has a message for it (bankML/ollama.rs, the top_k
+range from its sampler.rs), it is that message.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
 from gateway.derived import apply_ollama
 from gateway.json_values import get_int
+from gateway.registry import Pin, Registry, Resolved
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
 
@@ -61,7 +63,7 @@ THINK_REFUSED = ("think: the pinned template is rendered with thinking off (an e
 @dataclass(frozen=True)
 class OllamaRequest:
     kind: str  # "chat" or "generate"
-    resolved: Any  # gateway.registry.Resolved: the pin (a derived model's base) and the tag answers show
+    resolved: Resolved  # the pin (a derived model's base), its layer, and the tag answers show
     body: dict  # the request after the derived layer
     keep_alive_s: float  # 0: unload; math.inf: forever
     stream: bool
@@ -74,7 +76,7 @@ class OllamaRequest:
     top_logprobs: int = 0
 
     @property
-    def pin(self) -> Any:
+    def pin(self) -> Pin:
         return self.resolved.pin
 
     @property
@@ -276,7 +278,7 @@ def chat_messages(v: Any) -> list[dict]:
     return out
 
 
-def _apply_layer(resolved: Any, kind: str, body: dict) -> dict:
+def _apply_layer(resolved: Resolved, kind: str, body: dict) -> dict:
     if resolved.derived is None:
         return body
     return apply_ollama(resolved.derived.layer, kind, body)
@@ -290,7 +292,7 @@ def _empty_num_ctx(body: dict, n_ctx: int) -> int | None:
         return None
 
 
-def parse_ollama(body: bytes, kind: str, registry: Any, n_ctx: int, default_keep_alive_s: float) -> OllamaRequest:
+def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default_keep_alive_s: float) -> OllamaRequest:
     """The request, checked in the spec's order (module doc); every refusal before any load."""
     request = read_body(body)
     resolved = registry.resolve(request.get("model"))

@@ -9,6 +9,7 @@ import hashlib
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import SimpleNamespace
 
@@ -472,3 +473,15 @@ def test_the_ollama_client(server):
     while f"{SECOND}:latest" in _ps(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert f"{SECOND}:latest" not in _ps(server)
+
+
+def test_two_models_stream_at_once_each_its_own_answer(server):
+    def ask(model: str) -> list[dict]:
+        r = _post(server, "/api/generate", {"model": model, "prompt": "hello"})
+        return [json.loads(x) for x in r.text.splitlines()]
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, [FIRST, SECOND, FIRST, SECOND]))
+    for model, lines in zip([FIRST, SECOND, FIRST, SECOND], answers, strict=True):
+        assert {x["model"] for x in lines} == {f"{model}:latest"}
+        assert "".join(x["response"] for x in lines) == REPLY and lines[-1]["done"] is True
