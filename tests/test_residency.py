@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fake_engine import REPLY, fake_estimate, fake_loader
-from gateway_helpers import FakeServer, registry_dir, tiny_model
+from gateway_helpers import FakeServer, connect, registry_dir, request_bytes, status_of, tiny_model
 
 from bankml.errors import EngineFailed, InvalidRequest, ModelNotFound, ModelUnusable
 from bankml.pin import fork_record
@@ -456,3 +456,25 @@ def test_a_real_engine_dropped_by_the_residency_is_freed(tmp_path):
         assert res.last.name == A and [r.name for r in res.resident()] == [STARTUP]
     finally:
         res.stop_all()
+
+
+def test_the_monitor_counts_the_answers_running_on_every_resident_model(tmp_path):
+    model, fork = tiny_model(tmp_path / "startup")
+    reg = registry_dir(tmp_path / "reg", ["Model-A.Q8_0.gguf"])
+    server = FakeServer(model, fork, registry=reg, step_ms=20)
+    streams = []
+    try:
+        for name in (STARTUP, A):  # one LONG stream on each model's own engine (one sequence each)
+            s = connect(server.port, timeout_s=20)
+            body = json.dumps({"model": name, "stream": True, "messages": [{"role": "user", "content": "LONG"}]})
+            s.sendall(request_bytes("POST", "/v1/chat/completions", body=body.encode()))
+            assert status_of(s.recv(65536)) == 200
+            streams.append(s)
+        serve = httpx.get(server.url("/bankml/status"), timeout=10).json()["serve"]
+        assert (serve["requests_running"], serve["requests_waiting"]) == (2, 0)
+        prom = httpx.get(server.url("/metrics"), timeout=10).text
+        assert "bankml_requests_running 2" in prom
+    finally:
+        for s in streams:
+            s.close()
+        server.stop()
