@@ -1,4 +1,7 @@
-"""The one thread that owns the device, and drives the engine's scheduler.
+"""The thread that owns one model's engine on the device, and drives its scheduler.
+
+Each resident model has its own (gateway/residency.py starts one per load and stops it on a drop), so
+answers from one model go on while another loads; nothing but this thread touches its engine.
 
 A request's path through it: the gateway calls `submit(request, emit)`; the request waits in a FIFO
 queue; the thread hands it to the engine (`engine.add`, which checks it and queues it for a sequence),
