@@ -233,6 +233,15 @@ def model_and_fork(args: argparse.Namespace, cmd: str) -> tuple[str, str]:
 # --- the commands --------------------------------------------------------------------------------
 
 
+def _fork_path(args: argparse.Namespace) -> str:
+    """The FORK.json `model_and_fork` read: --fork, or the default model's shipped pin."""
+    if args.fork is not None:
+        return os.path.abspath(args.fork)
+    from bankml import default_model
+
+    return str(default_model.shipped_fork_path())
+
+
 def cmd_guard(args: argparse.Namespace) -> int:
     from bankml.guard import guard_file
 
@@ -314,7 +323,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BankmlError as e:
         return refuse(e)
     path, fork_text = model_and_fork(args, "serve")
-    return serve(path, fork_text, options)
+    return serve(path, fork_text, options, fork_path=_fork_path(args))
 
 
 def cmd_create(args: argparse.Namespace) -> int:

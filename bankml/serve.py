@@ -9,6 +9,7 @@ Then P0 (gateway/p0.py, in front of llama-server) or, with --native, the native 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 from bankml.config import ServeOptions
 from bankml.errors import EXIT_REFUSED, BankmlError
@@ -21,10 +22,10 @@ def refuse(error: BankmlError | str) -> int:
     return EXIT_REFUSED
 
 
-def serve(path: str, fork_text: str, options: ServeOptions) -> int:
+def serve(path: str, fork_text: str, options: ServeOptions, fork_path: str | None = None) -> int:
     """Gate the model, then run the server until it stops. Returns the process exit code."""
     try:
-        gated = gate_model(path, fork_text, rule_set=options.rule_set)
+        gated = replace(gate_model(path, fork_text, rule_set=options.rule_set), fork_path=fork_path)
     except BankmlError as e:
         return refuse(e)
     v = gated.verified

@@ -83,6 +83,7 @@ class GatedModel:
     identity: FileIdentity
     fork_text: str
     given: str = ""  # the path as given: a re-verification pins its basename, as the first one did
+    fork_path: str | None = None  # the FORK.json file the pin was read from (a derived model records it)
 
 
 def gate_model(path: str, fork_text: str, rule_set: str = "mainline") -> GatedModel:

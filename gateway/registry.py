@@ -250,7 +250,7 @@ class Registry:
             given = startup.given or startup.path
             beside = os.path.dirname(os.path.abspath(given))
             self.pins.append(make_pin(os.path.basename(given), startup.verified.model_sha256,
-                                      startup.fork_text, None, startup.path, rule_set))
+                                      startup.fork_text, startup.fork_path, startup.path, rule_set))
         seen = {p.name for p in self.pins}
         for fork_path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.FORK.json"))) if directory else []:
             try:

@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
         options = dataclasses.replace(options, listen=listen or options.listen,
                                       upstream=upstream or options.upstream, config=config,
                                       max_loaded=extra.max_loaded or options.max_loaded)
-        gated = gate_model(args.file, read_fork(args.fork, "serve"))
+        gated = dataclasses.replace(gate_model(args.file, read_fork(args.fork, "serve")),
+                                    fork_path=str(Path(args.fork).resolve()))
     except BankmlError as e:
         print(f"bankml serve: refuse: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ Registry of tiny pinned GGUFs, and how a layer is applied to /api and /v1 reques
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -213,7 +214,19 @@ def registry_startup(registry):
     return gate_model(p.path, p.fork_text)
 
 
-def test_startup_pin_without_its_fork_in_the_registry_is_refused(registry):
+def test_the_startup_model_is_a_base_its_fork_recorded_by_path(reg_dir, startup_gated, tmp_path_factory):
+    """bankml serve's own model (its FORK.json given with --fork, outside DIR) can be layered on: the
+    manifest names that FORK.json by its path."""
+    fork = tmp_path_factory.mktemp("forks") / "Startup-Model.Q8_0.gguf.FORK.json"
+    fork.write_text(startup_gated.fork_text)
+    registry = Registry(dataclasses.replace(startup_gated, fork_path=str(fork)), str(reg_dir))
+    lines = run(registry, "s", "FROM startup-model.q8_0\nSYSTEM hi\n")
+    assert f"verifying Startup-Model.Q8_0.gguf (the guard, then its sha256 against {fork})" in lines
+    assert dict(manifest(reg_dir, "s")[4][1])["fork"] == str(fork)
+    assert registry.derived.get("s").base_name == "startup-model.q8_0"
+
+
+def test_a_base_with_no_known_fork_is_refused(registry):
     with pytest.raises(InvalidRequest, match="its FORK.json is not in the registry directory"):
         run(registry, "s", "FROM startup-model.q8_0\n")
 
