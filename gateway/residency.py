@@ -59,6 +59,9 @@ Estimate = Callable[[str], int]
 
 FOREVER = math.inf
 REAP_EVERY_S = 1.0
+# Go's longest time.Duration (2**63 - 1 ns, about 292 years): a keep_alive longer than that is forever (and
+# an expiry that far out would not even be a date /api/ps can write)
+LONGEST_S = (2**63 - 1) / 1e9
 
 __all__ = ["Held", "Loaded", "Loader", "PsRecord", "Residency", "model_name"]
 
@@ -389,7 +392,7 @@ class Residency:
 
     @staticmethod
     def _expiry(keep_alive_s: float) -> float | None:
-        return None if math.isinf(keep_alive_s) else time.time() + keep_alive_s
+        return None if keep_alive_s >= LONGEST_S else time.time() + keep_alive_s
 
     def record_shown(self, name: str, shown_as: str, num_ctx: int, reloaded: bool) -> None:
         """What /api/ps shows for a resident model: changed only when its weights were (re)loaded for the

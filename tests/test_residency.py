@@ -246,6 +246,27 @@ def test_touch_sets_expiry_forever_or_unloads(world_of):
     asyncio.run(run())
 
 
+def test_a_keep_alive_past_gos_longest_duration_is_forever_and_ps_still_answers(world_of):
+    # keep_alive 1e17 (or "1e17", or "99999999999h") once stored an expiry no date can write:
+    # every /api/ps was a 500 while the model stayed resident
+    from gateway.ollama_models import ps_entry
+
+    w = world_of()
+
+    async def run():
+        await w.use(A)
+        for long_s in (1e17, 1e300, 10.0**10):
+            w.res.touch(A, long_s)
+            (rec,) = [r for r in w.res.ps() if r.loaded.name == A]
+            assert rec.expires_at is None, long_s
+            assert ps_entry(w.registry, rec, time.time())["expires_at"][:2] == "23"  # now + 292 years
+        w.res.touch(A, 9e9)  # just under 292 years: a real expiry
+        (rec,) = [r for r in w.res.ps() if r.loaded.name == A]
+        assert rec.expires_at == pytest.approx(time.time() + 9e9, abs=2)
+
+    asyncio.run(run())
+
+
 def test_touch_0_while_an_answer_holds_the_model_unloads_it_once_idle(world_of):
     w = world_of()
 
