@@ -112,9 +112,13 @@ def keep_alive(v: Any, default_s: float) -> float:
     if v is None or (isinstance(v, str) and not v.strip()):
         return default_s
     if _number(v):
-        if not math.isfinite(v):
+        try:
+            seconds = float(v)  # an integer of 400 digits is no float (Go's decoder refuses it too)
+        except OverflowError:
+            seconds = math.nan
+        if not math.isfinite(seconds):
             raise bad("keep_alive must be a duration string or a number of seconds")
-        return math.inf if v < 0 else float(v)
+        return math.inf if seconds < 0 else seconds
     if isinstance(v, str):
         try:
             return parse_keep_alive(v, "keep_alive")

@@ -113,6 +113,10 @@ def test_keep_alive_forms():
         assert "not a duration" in refused(chat, keep_alive=bad)
     for bad in (True, [1], {"s": 1}):
         assert refused(chat, keep_alive=bad) == "keep_alive must be a duration string or a number of seconds"
+    # an integer too large for a float (Go's decoder refuses it) is the same 400, not an OverflowError
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "keep_alive": 1' + b"0" * 400 + b"}"
+    with pytest.raises(InvalidRequest, match="keep_alive must be a duration string or a number of seconds"):
+        parse_ollama(body, "chat", REGISTRY, N_CTX, DEFAULT_KA)
 
 
 def test_stream_defaults_to_true():
