@@ -107,6 +107,13 @@ def _number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
 def keep_alive(v: Any, default_s: float) -> float:
     """`keep_alive` in seconds as Ollama reads it (api/types.go Duration): 0 unloads, math.inf keeps forever."""
     if v is None or (isinstance(v, str) and not v.strip()):
@@ -205,7 +212,7 @@ def read_options(v: Any, n_ctx: int) -> Options:
     max_tokens, stop, num_ctx = -1, [], None
 
     def number(key: str, x: Any) -> int | float:
-        if not _number(x):
+        if not _number(x) or not _finite(x):  # Infinity, NaN, 1e400, a 400-digit integer: no number Go reads
             raise bad(f"options.{key} must be a number")
         return x
 

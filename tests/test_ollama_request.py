@@ -203,6 +203,17 @@ def test_sampling_options_are_numbers_over_the_gguf_defaults():
             assert refused(chat, options={key: bad}) == f"options.{key} must be a number", (key, bad)
 
 
+
+def test_a_number_no_float_holds_is_a_400_not_an_overflow():
+    # a 400-digit integer, Infinity and NaN (Python's json reads them; Go's does not) were OverflowErrors (500)
+    for key in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                "typical_p", "num_ctx", "num_predict"):
+        for bad in (10**400, -10**400, math.inf, -math.inf, math.nan):
+            assert refused(chat, options={key: bad}) == f"options.{key} must be a number", (key, bad)
+    assert parse_ollama(b'{"options": {"num_ctx": 1' + b"0" * 400 + b"}}", "chat", REGISTRY, N_CTX,
+                        DEFAULT_KA).num_ctx is None  # the load path: --ctx is recorded
+
+
 def test_the_engine_clamps_as_llama_server_does():
     p = chat(options={"temperature": -1, "top_p": 7, "min_p": -0.5, "seed": -1}).params
     assert (p.temperature, p.top_p, p.min_p) == (0.0, 1.0, 0.0)
