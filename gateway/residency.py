@@ -339,6 +339,7 @@ class Residency:
         slot.used_s = time.monotonic()
         slot.expires_at = self._expiry(self.default_keep_alive_s)
         self.unusable.pop(pin.name, None)
+        self._notify()  # idle now if its requesters went away meanwhile: a load waiting for room may drop it
         self.compile_rest(loaded)
         log.info("%s loaded (%.0f MiB; resident: %s)", pin.file_name, loaded.size_bytes / 2**20,
                  ", ".join(r.name for r in self.resident()))

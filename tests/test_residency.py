@@ -175,6 +175,22 @@ def test_two_requests_for_an_absent_model_share_one_load(world_of):
     assert w.loads.count(A) == 1
 
 
+def test_a_load_whose_requesters_went_away_lets_a_waiting_load_drop_it(world_of):
+    # max_loaded 1: B's load makes room (the startup model goes); its only requester is cancelled while
+    # it loads; C's load waits for room. B's load ending with no lease on it used to wake nobody: C
+    # waited until B's keep-alive expired (5 minutes)
+    w = world_of(max_loaded=1, load_s={B: 0.4})
+
+    async def run():
+        wanting_b = asyncio.create_task(w.use(B))
+        await asyncio.sleep(0.1)
+        wanting_b.cancel()
+        held = await asyncio.wait_for(w.use(C), 5)
+        assert held.loaded.name == C and w.resident() == [C]
+
+    asyncio.run(run())
+
+
 def test_a_load_does_not_stall_another_models_answers(world_of):
     w = world_of(load_s={A: 1.5})
 
