@@ -388,7 +388,9 @@ class Residency:
             else:
                 slot.drop_when_idle = True
             return
-        slot.drop_when_idle = False
+        if slot.drop_when_idle:
+            slot.drop_when_idle = False
+            self._notify()  # an unload waiting for it to go: it stays
         slot.expires_at = self._expiry(keep_alive_s)
 
     @staticmethod
@@ -413,7 +415,9 @@ class Residency:
             await self._drop(slot, "unloaded")
         else:
             slot.drop_when_idle = True
-            await slot.dropped.wait()
+            # until it goes, or a later request's keep_alive keeps it (touch clears the flag): not forever
+            while slot.drop_when_idle and not slot.dropped.is_set():
+                await self._wait_for_change()
         return True
 
     async def reap(self) -> None:

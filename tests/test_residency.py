@@ -315,6 +315,25 @@ def test_unload_waits_for_the_answers_in_flight(world_of):
     asyncio.run(run())
 
 
+def test_an_unload_waiting_for_an_answer_ends_when_a_later_request_keeps_the_model(world_of):
+    # /api/generate {"keep_alive": 0} while A streams waits for the answer; a later request for A with
+    # keep_alive 5m cleared the drop, and the unload then waited until A expired (or forever, keep_alive -1)
+    w = world_of()
+
+    async def run():
+        await w.use(A)
+        async with w.res.lease(w.pin(A)):
+            unloading = asyncio.create_task(w.res.unload(A))
+            await asyncio.sleep(0.05)
+            await w.use(A)  # a later answer, then its keep_alive
+            assert not unloading.done()  # the first answer still holds A
+            w.res.touch(A, FOREVER)
+            assert await asyncio.wait_for(unloading, 5) is True  # nothing will drop A now: it ends
+        assert A in w.resident()  # the later keep_alive won, as in Ollama
+
+    asyncio.run(run())
+
+
 def test_a_changed_file_is_a_503_then_verified_again(world_of):
     w = world_of()
     path = w.dir / "Model-A.Q8_0.gguf"
