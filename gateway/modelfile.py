@@ -82,6 +82,28 @@ def _unquote(s: str) -> str | None:
     return s
 
 
+def _push(buf: list[str], c: str, first: int, last: int) -> tuple[int, int]:
+    """`c` appended to `buf`; the indexes of its first and last non-space characters after it."""
+    if not c.isspace():
+        last = len(buf)
+        if first < 0:
+            first = last
+    buf.append(c)
+    return first, last
+
+
+def _still_open(buf: list[str], first: int, last: int) -> bool:
+    """Whether `_unquote(_trim("".join(buf)))` is None (a quote still open), in constant time."""
+    if first < 0:
+        return False
+    n = last - first + 1
+    if buf[first:first + 3] == ['"', '"', '"']:
+        return not (n >= 6 and buf[last - 2:last + 1] == ['"', '"', '"'])
+    if buf[first] == '"':
+        return not (n >= 2 and buf[last] == '"')
+    return False
+
+
 def _is_space(c: str) -> bool:
     return c in " \t"
 
@@ -108,6 +130,7 @@ def parse_commands(text: str) -> list[Command]:
         text = text[1:]
     commands: list[Command] = []
     state, buf, name, role = _NIL, [], "", ""
+    first, last = -1, -1  # where buf's first and last non-space characters are (-1: none yet)
     line, start = 1, 1
     for i, r in enumerate(text):
         sp, nl = _is_space(r), _is_newline(r)
@@ -147,7 +170,7 @@ def parse_commands(text: str) -> list[Command]:
             nxt, keep = (_NIL, None) if nl else (_COMMENT, None)
 
         if nxt != state:
-            word = "".join(buf)
+            word = "".join(buf) if state != _VALUE else ""
             if state == _NAME:
                 lower = word.lower()
                 if lower not in INSTRUCTIONS:
@@ -169,18 +192,20 @@ def parse_commands(text: str) -> list[Command]:
                     raise _at(line, _BAD_ROLE)
                 role = word
             elif state == _VALUE:
-                value = _unquote(_trim(word))
-                if value is None or sp:
-                    buf.append(r)  # a space inside the value, or a newline inside an open quote
+                # a space inside the value, or a newline inside an open quote: the value goes on (decided
+                # without joining the value so far, which made a long quoted value quadratic: a hang)
+                if sp or _still_open(buf, first, last):
+                    first, last = _push(buf, r, first, last)
                     line += ends_line
                     continue
+                value = _unquote(_trim("".join(buf)))
                 if role:
                     value, role = f"{role}: {value}", ""
                 commands.append(Command(name, value, start))
-            buf = []
+            buf, first, last = [], -1, -1
             state = nxt
         if keep is not None and keep.isprintable():
-            buf.append(keep)
+            first, last = _push(buf, keep, first, last)
         line += ends_line
 
     if state == _VALUE:

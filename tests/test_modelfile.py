@@ -178,3 +178,14 @@ def test_structured_form():
         assert why in e.value.message, body
     # quantize/files/adapters at their empty values are absent, as the ollama client may send them
     assert spec_from_request({"from": "b", "files": {}, "quantize": ""}).from_ == "b"
+
+
+@pytest.mark.timeout(15)
+def test_a_long_unterminated_quote_is_a_fast_400():
+    # each newline inside an open quote joined the whole value so far: quadratic, minutes for 512 KiB
+    text = 'FROM x\nSYSTEM """' + "a\n" * (1 << 18)
+    with pytest.raises(InvalidRequest, match="line 2: SYSTEM: a quote opened here is never closed"):
+        parse_modelfile(text)
+    spec = parse_modelfile('FROM x\nSYSTEM """' + "a b\n" * (1 << 17) + '"""\n')
+    assert spec.system == "a b\n" * (1 << 17)
+
