@@ -300,7 +300,9 @@ def format_number(v: int | float) -> str:
 
 def _set_parameter(spec: ModelSpec, key: str, text: str) -> None:
     if key == "stop":
-        spec.stop = [*(spec.stop or []), text]  # stop accumulates
+        if spec.stop is None:
+            spec.stop = []
+        spec.stop.append(text)  # stop accumulates (in place: copying it per line made many lines quadratic)
         return
     spec.parameters[key] = parameter_value(key, text)  # the last value wins
 
@@ -325,7 +327,9 @@ def parse_modelfile(text: str) -> ModelSpec:
                 raise InvalidRequest(ADAPTER_REFUSED)
             elif c.name == "message":
                 role, _, content = c.args.partition(": ")
-                spec.messages = [*(spec.messages or []), {"role": role, "content": content}]
+                if spec.messages is None:
+                    spec.messages = []
+                spec.messages.append({"role": role, "content": content})  # in place: not quadratic
             else:
                 _set_parameter(spec, c.name, c.args)
         except InvalidRequest as e:

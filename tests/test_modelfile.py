@@ -189,3 +189,10 @@ def test_a_long_unterminated_quote_is_a_fast_400():
     spec = parse_modelfile('FROM x\nSYSTEM """' + "a b\n" * (1 << 17) + '"""\n')
     assert spec.system == "a b\n" * (1 << 17)
 
+
+@pytest.mark.timeout(15)
+def test_many_messages_and_stops_parse_in_linear_time():
+    # each MESSAGE (and PARAMETER stop) copied the list so far: quadratic, a hang for a 16 MiB Modelfile
+    spec = parse_modelfile("FROM x\n" + "MESSAGE user hi\n" * (1 << 17) + "PARAMETER stop x\n" * (1 << 17))
+    assert len(spec.messages) == 1 << 17 and spec.messages[0] == {"role": "user", "content": "hi"}
+    assert spec.stop == ["x"] * (1 << 17)
