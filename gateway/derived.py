@@ -330,6 +330,8 @@ def _fork_name(registry: Any, pin: Any) -> str:
 def _resolve_from(registry: Any, value: str, base_dir: str | None) -> tuple[Any, Derived | None]:
     """FROM to (the base pin, the derived model it inherits from or None), spec §3.3."""
     if _is_path(value):
+        if "\0" in value:  # os.path.expanduser("~a\0b") raises ValueError: a 500
+            raise InvalidRequest(f"FROM {value!r}: no such file (a path holds no NUL character)")
         path = os.path.expanduser(value)
         if not os.path.isabs(path):
             path = os.path.join(base_dir or os.getcwd(), path)

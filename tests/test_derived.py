@@ -176,6 +176,9 @@ def test_from_a_pinned_path_and_refused_paths(registry, reg_dir, tmp_path):
         with pytest.raises(InvalidRequest) as e:
             run(registry, "x", text)
         assert why in e.value.message, text
+    for value in ("~a\0b.gguf", "/x\0y.gguf"):  # the structured form keeps a NUL (a Modelfile drops it)
+        with pytest.raises(InvalidRequest, match="no such file"):
+            run(registry, "x", {"from": value})
     assert not (reg_dir / "x.MODEL.json").exists()
 
 
