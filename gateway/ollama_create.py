@@ -75,7 +75,7 @@ def _status_line(status: str) -> bytes:
 
 async def create(request, state):
     """POST /api/create."""
-    body = _body(request.body)
+    body = await asyncio.to_thread(_body, request.body)  # off the loop: 16 MiB of JSON takes a while to parse
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name.strip():
         raise InvalidRequest("model: name the model to create")
@@ -124,7 +124,7 @@ def _empty() -> HTTPResponse:
 
 async def copy(request, state):
     """POST /api/copy {source, destination}: a derived model FROM source, nothing else."""
-    body = _body(request.body)
+    body = await asyncio.to_thread(_body, request.body)
     registry = _registry(state)
     async with _one_at_a_time():
         await asyncio.to_thread(derived.copy, registry, body.get("source"), body.get("destination"))
@@ -133,7 +133,7 @@ async def copy(request, state):
 
 async def delete(request, state):
     """DELETE /api/delete {model}: a derived model's manifest removed; a pin refused; unknown, 404."""
-    body = _body(request.body)
+    body = await asyncio.to_thread(_body, request.body)
     name = body.get("model") or body.get("name")
     registry = getattr(state, "registry", None)
     if registry is None:
