@@ -197,7 +197,11 @@ def write_manifest(d: Derived) -> None:
     """Written atomically: `<name>.MODEL.json.part`, then renamed over the manifest."""
     part = d.manifest_path + ".part"
     try:
-        with open(part, "w", encoding="utf-8") as f:
+        # a stale `.part` (a symlink planted to point outside the registry, say) is removed, never followed
+        if os.path.lexists(part):
+            os.unlink(part)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with open(fd, "w", encoding="utf-8") as f:
             f.write(manifest_text(d))
             f.flush()
             os.fsync(f.fileno())

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -138,6 +139,19 @@ def test_create_streams_the_status_lines_and_writes_the_manifest(registry, reg_d
     # the registry resolves it to its base, answering as itself
     r = registry.resolve("persona:latest")
     assert (r.pin.name, r.tag, r.derived.digest) == ("base-model.q8_0", "persona:latest", d.digest)
+
+
+def test_a_part_file_symlinked_outside_the_registry_is_not_followed(registry, reg_dir, tmp_path):
+    # write_manifest opened `<name>.MODEL.json.part` with open(..., "w"): a symlink there was followed, and the
+    # manifest overwrote a file outside the registry directory
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (reg_dir / "evil.MODEL.json.part").symlink_to(outside)
+    assert run(registry, "evil", "FROM base-model.q8_0\n")[-1] == "success"
+    assert outside.read_text() == "keep me"
+    manifest_file = reg_dir / "evil.MODEL.json"
+    assert not manifest_file.is_symlink() and registry.derived.get("evil").name == "evil"
+    assert not os.path.lexists(reg_dir / "evil.MODEL.json.part")
 
 
 def test_the_same_layer_is_the_same_digest_and_a_copy_keeps_it(registry):
