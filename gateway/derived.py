@@ -225,7 +225,8 @@ def check_name(text: Any) -> str:
         raise InvalidRequest("model: name the model to create")
     name = normalize_name(text)
     if not _NAME.fullmatch(name) or name[0] in ".-" or name.endswith(".gguf"):
-        raise InvalidRequest(f"model name {text!r}: use 1 to 128 letters, digits, '.', '_' and '-' (not starting "
+        shown = repr(text) if len(text) <= 160 else f"{text[:160]!r}… ({len(text)} characters)"
+        raise InvalidRequest(f"model name {shown}: use 1 to 128 letters, digits, '.', '_' and '-' (not starting "
                              "with '.' or '-', not ending in .gguf; no tag but :latest)")
     return name
 

@@ -240,6 +240,16 @@ def f32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+SHOWN_MAX = 80  # a value longer than this is cut in a message (a 1 MiB line made a 1 MiB error)
+
+
+def _shown(text: str) -> str:
+    """`text` as a message quotes it: repr, cut to SHOWN_MAX characters with how long it was."""
+    if len(text) <= SHOWN_MAX:
+        return repr(text)
+    return f"{text[:SHOWN_MAX]!r}… ({len(text)} characters)"
+
+
 def parameter_value(key: str, text: str) -> int | float:
     """One PARAMETER's value, parsed as Ollama parses it (ints base 10, floats at 32 bits) and range-checked."""
     if key not in PARAMETERS:
@@ -248,16 +258,18 @@ def parameter_value(key: str, text: str) -> int | float:
     value: int | float
     if PARAMETERS[key]:
         if not _INT.fullmatch(t):
-            raise InvalidRequest(f"PARAMETER {key} {text!r}: not an integer")
-        value = int(t)
+            raise InvalidRequest(f"PARAMETER {key} {_shown(text)}: not an integer")
+        digits = t.lstrip("+-").lstrip("0")  # int() of over 4300 digits is a ValueError (a 500): none fits 64 bits
+        sign = t[0] if t[0] in "+-" else ""
+        value = int(sign + (digits or "0")) if len(digits) <= 20 else 2**63
         if not -(2**63) <= value < 2**63:
-            raise InvalidRequest(f"PARAMETER {key} {text!r}: out of range for a 64-bit integer")
+            raise InvalidRequest(f"PARAMETER {key} {_shown(text)}: out of range for a 64-bit integer")
     else:
         if not _FLOAT.fullmatch(t):
-            raise InvalidRequest(f"PARAMETER {key} {text!r}: not a number")
+            raise InvalidRequest(f"PARAMETER {key} {_shown(text)}: not a number")
         value = f32(float(t))
         if not math.isfinite(value):
-            raise InvalidRequest(f"PARAMETER {key} {text!r}: not a finite number")
+            raise InvalidRequest(f"PARAMETER {key} {_shown(text)}: not a finite number")
     if _out_of_range(key, value):
         raise InvalidRequest(f"PARAMETER {key} {format_number(value)}: out of range ({_RANGES.get(key, '>= 0')})")
     return value

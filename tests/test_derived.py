@@ -403,3 +403,9 @@ def test_over_the_real_smollm2_its_own_template_is_accepted(smollm2_path, smollm
     assert d.layer.template_sha256 == hashlib.sha256(template.encode()).hexdigest()
     with pytest.raises(InvalidRequest, match="TEMPLATE"):
         run(registry, "smol-other", {"from": pin.name, "template": template.replace("<|im_start|>", "<s>")})
+
+
+def test_a_megabyte_name_is_a_short_400(registry):
+    with pytest.raises(InvalidRequest) as e:
+        run(registry, "/" * (1 << 20), "FROM base-model.q8_0\n")
+    assert len(e.value.message) < 400 and "(1048576 characters)" in e.value.message

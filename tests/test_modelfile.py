@@ -196,3 +196,14 @@ def test_many_messages_and_stops_parse_in_linear_time():
     spec = parse_modelfile("FROM x\n" + "MESSAGE user hi\n" * (1 << 17) + "PARAMETER stop x\n" * (1 << 17))
     assert len(spec.messages) == 1 << 17 and spec.messages[0] == {"role": "user", "content": "hi"}
     assert spec.stop == ["x"] * (1 << 17)
+
+
+def test_a_megabyte_parameter_value_is_a_short_400():
+    # the whole value was quoted in the message: a 1 MiB line made a 1 MiB error
+    for key, value in (("temperature", "1" * (1 << 20)), ("top_k", "9" * (1 << 20)), ("top_k", "x" * (1 << 20)),
+                       ("temperature", "y" * (1 << 20))):
+        with pytest.raises(InvalidRequest) as e:
+            parse_modelfile(f"FROM x\nPARAMETER {key} {value}\n")
+        assert len(e.value.message) < 300 and "(1048576 characters)" in e.value.message, e.value.message[:200]
+    with pytest.raises(InvalidRequest, match=r"PARAMETER top_k '1\.5': not an integer"):
+        parse_modelfile("FROM x\nPARAMETER top_k 1.5\n")
