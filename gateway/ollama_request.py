@@ -47,11 +47,11 @@ MIROSTAT_REFUSED = ("mirostat: not reproduced; bankML reproduces llama.cpp's def
 FORMAT_REFUSED = "format: structured output is not supported by bankml serve --native yet"
 IMAGES_REFUSED = "images: bankML's models are text-only; vision is out of scope"
 REFUSALS = (  # (field, why), checked in this order when the field is present
-    ("tools", "tools: tool calling needs the template's tool rendering and a grammar (O6 in docs/OLLAMA.md); "
-              "not reproduced yet"),
+    ("tools", "tools: tool calling is not supported by bankml serve --native yet (it needs the template's "
+              "tool rendering and a grammar)"),
     ("images", IMAGES_REFUSED),
     ("suffix", "suffix: fill-in-the-middle is not reproduced; send the whole prompt"),
-    ("template", "template: bankML renders the pinned model's own chat template (byte-identical to llama.cpp); "
+    ("template", "template: bankML renders the pinned model's own chat template (as llama-server --jinja does); "
                  "a replacement template is not taken"),
     ("context", "context: send the conversation as /api/chat messages instead; the prompt cache reuses the "
                 "shared prefix"),
@@ -274,7 +274,7 @@ def chat_messages(v: Any) -> list[dict]:
         if isinstance(m.get("images"), list) and m["images"]:
             raise bad(IMAGES_REFUSED)
         if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
-            raise bad("tool_calls: tool calling is not reproduced yet (O6 in docs/OLLAMA.md)")
+            raise bad("tool_calls: tool calling is not supported by bankml serve --native yet")
         role = m.get("role")
         if not isinstance(role, str):
             raise bad("a message without a role")
