@@ -56,6 +56,7 @@ REFUSALS = (  # (field, why), checked in this order when the field is present
     ("context", "context: send the conversation as /api/chat messages instead; the prompt cache reuses the "
                 "shared prefix"),
 )
+IMAGE_GENERATION = ("width", "height", "steps")  # Ollama's image generation (its client sends them to /api/generate)
 THINK_REFUSED = ("think: the pinned template is rendered with thinking off (an empty <think> block, as "
                  "llama-server --reasoning off); thinking is not reproduced yet")
 
@@ -164,6 +165,9 @@ def refusals(body: dict) -> None:
             raise bad(why)
     if body.get("think") not in (None, False):
         raise bad(THINK_REFUSED)
+    for field in IMAGE_GENERATION:
+        if is_present(body.get(field)):
+            raise bad(f"{field}: image generation is out of scope for bankml serve; its models generate text")
 
 
 def read_logprobs(body: dict) -> tuple[bool, int]:

@@ -155,6 +155,9 @@ def test_refusals_in_order():
         "format: structured output is not supported by bankml serve --native yet"
     assert refused(generate, images=["aGk="]) == "images: bankML's models are text-only; vision is out of scope"
     assert refused(chat, think="high").startswith("think: the pinned template is rendered with thinking off")
+    for field in ("width", "height", "steps"):  # image generation's fields, never silently dropped
+        assert refused(generate, **{field: 512}) == \
+            f"{field}: image generation is out of scope for bankml serve; its models generate text"
 
 
 def test_absent_means_null_false_empty():
