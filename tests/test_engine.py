@@ -300,7 +300,8 @@ def test_smollm2_answers_the_capital_of_france(smollm2_path):
 
     from model.chat_template import render_chat
 
-    engine = Engine.load(smollm2_path, verified=True, n_ctx=512, warmup=False)
+    # tests/test_parity_engine.py's shapes: in one pytest process JAX compiles their programs once for both
+    engine = Engine.load(smollm2_path, verified=True, n_ctx=512, max_seqs=8, warmup=False)
     tok = engine.tokenizer
     template = GGUFReader(str(smollm2_path)).fields["tokenizer.chat_template"].contents()
     text = render_chat(template, [{"role": "user", "content": "What is the capital of France?"}],
