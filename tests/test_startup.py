@@ -250,7 +250,8 @@ def test_an_engine_is_freed_by_its_last_reference(tiny_path):
 
 def test_an_engine_unloaded_during_the_background_compile_is_freed(tiny_path, caplog):
     """Its programs are not compiled for nothing, and its weights do not outlive it."""
-    engine = Engine.load(tiny_path, verified=True, n_ctx=512, warmup=False)
+    # one sequence: 12 essential programs, 8 left for the background
+    engine = Engine.load(tiny_path, verified=True, n_ctx=512, max_seqs=1, warmup=False)
     engine.warmup(essential=True)
     with caplog.at_level(logging.INFO, logger="model.engine"):
         background = engine.compile_in_background()
