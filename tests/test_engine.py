@@ -275,7 +275,7 @@ def test_the_largest_prefill_bucket_is_a_setting(tmp_path):
 _WARM_IN_A_FRESH_PROCESS = """
 import sys
 from model.engine import Engine
-Engine.load(sys.argv[1], verified=True, n_ctx=256, compile_cache_dir=sys.argv[2])
+Engine.load(sys.argv[1], verified=True, n_ctx=256, max_seqs=1, prefill_chunk=16, compile_cache_dir=sys.argv[2])
 """
 
 
@@ -286,7 +286,9 @@ def test_a_restart_reuses_the_persistent_compile_cache(tmp_path):
     run = [sys.executable, "-c", _WARM_IN_A_FRESH_PROCESS, str(path), str(cache)]
     subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
     first = sorted(p.name for p in cache.iterdir())
-    n_programs = len(Engine.load(path, verified=True, n_ctx=256, warmup=False).program_keys())
+    # one sequence, one prefill bucket: 6 programs of every kind, enough to show the reuse
+    n_programs = len(Engine.load(path, verified=True, n_ctx=256, max_seqs=1, prefill_chunk=16,
+                                 warmup=False).program_keys())
     assert len([n for n in first if n.startswith(("jit_run-", "jit_decode-", "jit_select-", "jit_put_row-"))]) == n_programs
     subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
     assert sorted(p.name for p in cache.iterdir()) == first
@@ -298,7 +300,8 @@ def test_smollm2_answers_the_capital_of_france(smollm2_path):
 
     from model.chat_template import render_chat
 
-    engine = Engine.load(smollm2_path, verified=True, n_ctx=512, warmup=False)
+    # tests/test_parity_engine.py's shapes: in one pytest process JAX compiles their programs once for both
+    engine = Engine.load(smollm2_path, verified=True, n_ctx=512, max_seqs=8, warmup=False)
     tok = engine.tokenizer
     template = GGUFReader(str(smollm2_path)).fields["tokenizer.chat_template"].contents()
     text = render_chat(template, [{"role": "user", "content": "What is the capital of France?"}],

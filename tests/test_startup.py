@@ -250,7 +250,8 @@ def test_an_engine_is_freed_by_its_last_reference(tiny_path):
 
 def test_an_engine_unloaded_during_the_background_compile_is_freed(tiny_path, caplog):
     """Its programs are not compiled for nothing, and its weights do not outlive it."""
-    engine = Engine.load(tiny_path, verified=True, n_ctx=512, warmup=False)
+    # one sequence: 12 essential programs, 8 left for the background
+    engine = Engine.load(tiny_path, verified=True, n_ctx=512, max_seqs=1, warmup=False)
     engine.warmup(essential=True)
     with caplog.at_level(logging.INFO, logger="model.engine"):
         background = engine.compile_in_background()
@@ -276,8 +277,9 @@ def _chat(server: CliServer, text: str) -> str:
 def test_serve_through_a_pipe_logs_without_progress_or_platform_noise(tmp_path, bankml_cmd):
     model, fork = tiny_model(tmp_path)
     config = tmp_path / "serve.toml"
-    config.write_text(f"[engine]\ncompile_cache_dir = {json.dumps(str(tmp_path / 'xla'))}\n")
-    server = CliServer(bankml_cmd, str(model), "--fork", str(fork), "--ctx", "1024", "--config", str(config),
+    # one sequence in 512 cells: 20 programs, 8 of them in the background (what the log says is the same)
+    config.write_text(f"[engine]\ncompile_cache_dir = {json.dumps(str(tmp_path / 'xla'))}\nmax_seqs = 1\n")
+    server = CliServer(bankml_cmd, str(model), "--fork", str(fork), "--ctx", "512", "--config", str(config),
                        timeout_s=240)
     try:
         during = _chat(server, "hello there, this is a test")  # most likely while the rest compiles
