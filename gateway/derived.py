@@ -37,6 +37,7 @@ from gateway.modelfile import (
     render_modelfile,
     spec_from_request,
 )
+from gateway.ollama_shapes import created_at_ns
 
 log = logging.getLogger("bankml.gateway")
 
@@ -302,12 +303,6 @@ class DerivedStore:
 # --- create, copy, delete ----------------------------------------------------------------------------------
 
 
-def _created_at(t_ns: int) -> str:
-    """RFC 3339 UTC with 9 fractional digits and "Z" (Ollama's time format)."""
-    secs, ns = divmod(t_ns, 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(secs)) + f".{ns:09d}Z"
-
-
 def _is_path(value: str) -> bool:
     return "/" in value or value.startswith(".") or value.lower().endswith(".gguf")
 
@@ -439,7 +434,7 @@ def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, 
         yield "creating messages layer"
     digest = layer_digest(layer)
     yield f"writing manifest {n}{MANIFEST_SUFFIX} (digest {digest})"
-    d = Derived(n, _created_at(time.time_ns()), pin.name, pin.file_name, sha, fork, gated.path, layer, digest,
+    d = Derived(n, created_at_ns(time.time_ns()), pin.name, pin.file_name, sha, fork, gated.path, layer, digest,
                 os.path.abspath(registry.derived.path(n)))
     write_manifest(d)
     yield "success"

@@ -11,7 +11,6 @@ with an empty body.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from bankml.errors import BankmlError, InternalError, InvalidRequest
 from gateway import derived
 from gateway.errors import json_response
 from gateway.modelfile import refuse_uploads
+from gateway.ollama_request import read_body
 
 NDJSON = "application/x-ndjson"
 NO_REGISTRY = ("bankml serve was started without --registry: a derived model is written beside the pins of the "
@@ -35,16 +35,6 @@ def _one_at_a_time() -> asyncio.Lock:
     if _lock is None:
         _lock = asyncio.Lock()
     return _lock
-
-
-def _body(raw: bytes) -> dict:
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise InvalidRequest("body is not JSON") from None
-    if not isinstance(value, dict):
-        raise InvalidRequest("body is not a JSON object")
-    return value
 
 
 def _registry(state: Any) -> Any:
@@ -75,7 +65,7 @@ def _status_line(status: str) -> bytes:
 
 async def create(request, state):
     """POST /api/create."""
-    body = await asyncio.to_thread(_body, request.body)  # off the loop: 16 MiB of JSON takes a while to parse
+    body = await asyncio.to_thread(read_body, request.body)  # off the loop: 16 MiB of JSON takes a while to parse
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name.strip():
         raise InvalidRequest("model: name the model to create")
@@ -124,7 +114,7 @@ def _empty() -> HTTPResponse:
 
 async def copy(request, state):
     """POST /api/copy {source, destination}: a derived model FROM source, nothing else."""
-    body = await asyncio.to_thread(_body, request.body)
+    body = await asyncio.to_thread(read_body, request.body)
     registry = _registry(state)
     async with _one_at_a_time():
         await asyncio.to_thread(derived.copy, registry, body.get("source"), body.get("destination"))
@@ -133,7 +123,7 @@ async def copy(request, state):
 
 async def delete(request, state):
     """DELETE /api/delete {model}: a derived model's manifest removed; a pin refused; unknown, 404."""
-    body = await asyncio.to_thread(_body, request.body)
+    body = await asyncio.to_thread(read_body, request.body)
     name = body.get("model") or body.get("name")
     registry = getattr(state, "registry", None)
     if registry is None:

@@ -36,6 +36,12 @@ def created_at(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
 
 
+def created_at_ns(t_ns: int) -> str:
+    """The same, from integer nanoseconds (time.time_ns()), every digit exact."""
+    seconds, ns = divmod(t_ns, 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
+
+
 def _text(data: bytes) -> str:
     return data[:complete_utf8_len(data)].decode("utf-8", "replace")
 

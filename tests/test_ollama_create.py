@@ -177,13 +177,13 @@ def test_the_bodies_are_parsed_off_the_event_loop(monkeypatch):
     from gateway import ollama_create
 
     threads = []
-    real = ollama_create._body
+    real = ollama_create.read_body
 
     def spy(raw):
         threads.append(threading.current_thread())
         return real(raw)
 
-    monkeypatch.setattr(ollama_create, "_body", spy)
+    monkeypatch.setattr(ollama_create, "read_body", spy)
     request, state = SimpleNamespace(body=b'{"model": "m", "source": "a", "destination": "b"}'), SimpleNamespace()
     for handler in (ollama_create.create, ollama_create.copy, ollama_create.delete):
         with pytest.raises(InvalidRequest, match="without --registry"):
