@@ -27,9 +27,10 @@ import asyncio
 import time
 import uuid
 
-from bankml.errors import EngineFailed, EngineGone, InvalidRequest
+from bankml.errors import InvalidRequest
 from gateway.chat_request import parse_body, parse_chat_request
 from gateway.derived import apply_openai, layer_num_ctx
+from gateway.engine_client import engine_error
 from gateway.errors import exceed_context, json_response, stream_error
 from gateway.monitoring import Answer
 from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
@@ -37,15 +38,6 @@ from gateway.receipt import Tally
 from gateway.request_fields import gguf_defaults
 from gateway.residency import FOREVER
 from model.messages import FinishReason, GenerateRequest, StepOutput
-
-
-def engine_error(client, out: StepOutput) -> EngineFailed | EngineGone:
-    """An engine failure: 503 when the model's engine thread is gone (nothing will answer), else 500; with
-    the reason."""
-    why = out.error or "the engine failed"
-    if client.failure is not None:
-        return EngineGone(why)
-    return EngineFailed(why)
 
 
 async def chat_completions(request, state):

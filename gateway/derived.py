@@ -310,7 +310,7 @@ def _is_path(value: str) -> bool:
 def _fork_name(registry: Any, pin: Any) -> str:
     """The FORK.json that pins the base: its file name when it is in the registry directory, else its path."""
     candidates = [pin.fork_path] if pin.fork_path else []
-    if registry.directory:
+    if not candidates and registry.directory:  # a pin read without its file's path: look for it in DIR
         for path in sorted(glob.glob(os.path.join(glob.escape(registry.directory), "*.FORK.json"))):
             try:
                 with open(path, encoding="utf-8") as f:

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from bankml.errors import EngineFailed, EngineGone
 from model.engine_thread import EngineThread, Ticket
 from model.messages import EngineStats, GenerateRequest, StepOutput
 
@@ -84,3 +85,12 @@ class EngineClient:
     def stats(self) -> EngineStats | None:
         """The scheduler's last snapshot, or None: no engine has run, or the thread is gone."""
         return self.thread.stats()
+
+
+def engine_error(client: EngineClient, out: StepOutput) -> EngineFailed | EngineGone:
+    """An answer's engine failure: 503 when the model's engine thread is gone (nothing will answer), else
+    500; with the reason."""
+    why = out.error or "the engine failed"
+    if client.failure is not None:
+        return EngineGone(why)
+    return EngineFailed(why)

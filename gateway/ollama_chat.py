@@ -26,7 +26,8 @@ import uuid
 
 from sanic import HTTPResponse
 
-from bankml.errors import EngineFailed, EngineGone, InvalidRequest
+from bankml.errors import InvalidRequest
+from gateway.engine_client import engine_error
 from gateway.errors import Api, error_body, json_response
 from gateway.monitoring import Answer
 from gateway.ollama_request import OllamaRequest, parse_ollama
@@ -114,14 +115,6 @@ async def _load_or_unload(state, req: OllamaRequest, t0_ns: int, n_ctx: int) -> 
     return json_response(text)
 
 
-def engine_error(loaded, out: StepOutput) -> EngineFailed | EngineGone:
-    """An engine failure: 503 when the model's engine thread is gone (nothing will answer), else 500."""
-    why = out.error or "the engine failed"
-    if loaded.client.failure is not None:
-        return EngineGone(why)
-    return EngineFailed(why)
-
-
 class _Run:
     """One answer being written: the request, the leased model, the receipt's tally, the monitor's record."""
 
@@ -155,7 +148,7 @@ class _Run:
                     entries.append(entry)
                 last = out
         if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            raise engine_error(self.loaded, last or StepOutput(token=None))
+            raise engine_error(self.loaded.client, last or StepOutput(token=None))
         # what the stop filter held back and the end released is part of the answer (a possible stop that
         # was not one), as the Rust bankml's StopFilter.finish gives it
         text = "".join(pieces) + last.held_text
@@ -173,9 +166,9 @@ class _Run:
             async for out in generation:
                 if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     if response is None:
-                        raise engine_error(self.loaded, out)
+                        raise engine_error(self.loaded.client, out)
                     # the status went out with the head: the failure is the stream's last line, no receipt
-                    await response.send((error_body(engine_error(self.loaded, out), Api.OLLAMA) + "\n").encode())
+                    await response.send((error_body(engine_error(self.loaded.client, out), Api.OLLAMA) + "\n").encode())
                     await response.eof()
                     return None
                 if response is None:

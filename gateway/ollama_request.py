@@ -26,6 +26,7 @@ from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
 from gateway.derived import apply_ollama
 from gateway.json_values import get_int
+from gateway.openai_chat import parse_json_body
 from gateway.registry import Pin, Registry, Resolved
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -90,10 +91,7 @@ def bad(message: str) -> InvalidRequest:
 
 
 def read_body(body: bytes) -> dict:
-    try:
-        value = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad("body is not JSON") from None
+    value = parse_json_body(body)  # not JSON: 400 "body is not JSON"
     if not isinstance(value, dict):
         raise bad("body is not a JSON object")
     return value

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from bankml import jstr
-from model.detokenizer import complete_utf8_len
+from model.detokenizer import complete_utf8_text
 from model.messages import LogprobEntry, StepOutput
 
 NDJSON = "application/x-ndjson"
@@ -42,18 +42,14 @@ def created_at_ns(t_ns: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
 
 
-def _text(data: bytes) -> str:
-    return data[:complete_utf8_len(data)].decode("utf-8", "replace")
-
-
 def logprob_entry(e: LogprobEntry, top: int) -> dict:
     """One token's entry in Ollama's shape, its top list cut to `top`."""
-    out: dict[str, Any] = {"token": _text(e.text), "logprob": e.logprob}
+    out: dict[str, Any] = {"token": complete_utf8_text(e.text), "logprob": e.logprob}
     if e.text:
         out["bytes"] = list(e.text)
     tops = []
     for t in e.top[:top]:
-        entry: dict[str, Any] = {"token": _text(t.piece), "logprob": t.logprob}
+        entry: dict[str, Any] = {"token": complete_utf8_text(t.piece), "logprob": t.logprob}
         if t.piece:
             entry["bytes"] = list(t.piece)
         tops.append(entry)

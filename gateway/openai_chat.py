@@ -33,7 +33,7 @@ from typing import Any
 
 from bankml import __version__, jstr
 from bankml.errors import InvalidRequest
-from model.detokenizer import complete_utf8_len
+from model.detokenizer import complete_utf8_text
 from model.messages import LogprobEntry, StepOutput
 
 
@@ -66,14 +66,10 @@ def usage(out: StepOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
-def _text(data: bytes) -> str:
-    # llama-server's `txt.resize(validate_utf8(txt))`; what is left invalid becomes U+FFFD on the wire
-    return data[:complete_utf8_len(data)].decode("utf-8", "replace")
-
-
 def logprob_entry(e: LogprobEntry) -> dict:
-    return {"id": e.token, "token": _text(e.text), "bytes": list(e.text), "logprob": e.logprob,
-            "top_logprobs": [{"id": t.token, "token": _text(t.piece), "bytes": list(t.piece), "logprob": t.logprob}
+    return {"id": e.token, "token": complete_utf8_text(e.text), "bytes": list(e.text), "logprob": e.logprob,
+            "top_logprobs": [{"id": t.token, "token": complete_utf8_text(t.piece), "bytes": list(t.piece),
+                              "logprob": t.logprob}
                              for t in e.top]}
 
 

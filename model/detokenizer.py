@@ -35,6 +35,12 @@ def complete_utf8_len(data: bytes) -> int:
     return n
 
 
+def complete_utf8_text(data: bytes) -> str:
+    """A logprob entry's `token`: llama-server's `txt.resize(validate_utf8(txt))`, the character cut off at
+    the end dropped; what is left invalid becomes U+FFFD."""
+    return data[:complete_utf8_len(data)].decode("utf-8", "replace")
+
+
 class IncrementalDetokenizer:
     """Feed tokens with `push`; each call returns the text released by that token ("" while held).
 
