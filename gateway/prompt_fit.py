@@ -69,14 +69,21 @@ def _whole(model: Any, encode: Callable[[int], list[int]]) -> tuple[list[int] | 
 def chat_prompt(model: Any, messages: list[dict], num_ctx: int | None) -> list[int]:
     """A conversation's prompt tokens (`model`: gateway.native_model.NativeModel), fitted under num_ctx."""
     dropped = 0
+    fitted: tuple[list[dict], list[int]] | None = None  # the last candidate that fit, and its tokens
     if num_ctx is not None:
         def count(candidate: list[dict]) -> int:
+            nonlocal fitted
             try:
-                return len(_tokens(model, candidate, num_ctx))
+                tokens = _tokens(model, candidate, num_ctx)
             except TokenLimitExceeded:
                 return num_ctx + 1  # past it: the exact count does not matter
+            if len(tokens) <= num_ctx:
+                fitted = candidate, tokens
+            return len(tokens)
 
         messages, dropped = fit_messages(messages, num_ctx, count)
+    if fitted is not None and fitted[0] == messages:  # what was kept was counted whole: not tokenized again
+        return _fits_context(model, fitted[1])
     tokens, at_least = _whole(model, lambda limit: _tokens(model, messages, limit))
     if tokens is None:
         if num_ctx is not None:

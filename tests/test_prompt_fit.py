@@ -48,6 +48,14 @@ def test_everything_that_fits_is_kept():
     assert len(chat_prompt(m, conv, None)) == words(conv)
 
 
+def test_a_conversation_kept_whole_is_tokenized_once_per_candidate():
+    m = WordModel()
+    conv = [msg("system", 3), msg("user", 3), msg("assistant", 3), msg("user", 3)]
+    tokens = chat_prompt(m, conv, 64)
+    # the candidates from messages[2:] back to messages[0:]; the last of them is the prompt itself
+    assert m.calls == 3 and tokens == m.tokenize(m.render(conv), True, True)
+
+
 def test_the_oldest_go_first_and_the_system_before_them_stays():
     conv = [msg("system", 2, "s"), msg("user", 10, "a"), msg("assistant", 10, "b"), msg("user", 3, "c")]
     # with the system kept: [sys] + msgs[2:] is 3 + 11 + 4 + 1 = 19 tokens; + msgs[1] would be 30
