@@ -118,16 +118,6 @@ def _scalar(v: Any) -> Any:
     return _f32_shortest(v) if isinstance(v, float) else v
 
 
-class _Counted:
-    """An array the guard skipped, as Config.from_gguf needs it: its length only."""
-
-    def __init__(self, a: GGUFArray):
-        self.count = a.count
-
-    def __len__(self) -> int:
-        return self.count
-
-
 def header_info(report: Report) -> HeaderInfo:
     """What /api/tags and /api/show say about a file, from the guard's parse of its header."""
     kv = report.metadata
@@ -155,9 +145,8 @@ def header_info(report: Report) -> HeaderInfo:
 def native_reason(report: Report) -> str | None:
     """Why this engine cannot play a file the guard passed (None: it can): arch, types, tokenizer, template."""
     kv = report.metadata
-    fields = {k: _Counted(v) if isinstance(v, GGUFArray) else v for k, v in kv.items()}
     try:
-        Config.from_gguf(fields)
+        Config.from_gguf(kv)  # the guard's arrays are counted, never decoded
     except UnsupportedModel as e:
         return str(e)
     except (TypeError, ValueError) as e:

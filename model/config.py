@@ -189,5 +189,8 @@ class _Fields:
         if name not in self._fields:
             return None
         value = self._fields[name]
+        count = getattr(value, "count", None)  # an array the guard's parse skipped (bankml.guard.GGUFArray)
+        if isinstance(count, int):
+            return count
         data = getattr(value, "data", None)  # ReaderField: one index per element
         return len(data) if data is not None and hasattr(value, "contents") else len(value)

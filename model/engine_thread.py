@@ -429,19 +429,11 @@ def _why(e: BaseException) -> str:
 def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = 16) -> int:
     """The KV pool of `max_seqs` whole contexts for the model at `path` (f16 K and V of every layer), from
     its header as the guard reads it: the pool each engine gets when several models share the device."""
-    from bankml.guard import GGUFArray, guard_file
+    from bankml.guard import guard_file
     from model.config import Config
+    from model.kvcache import page_bytes
 
-    class _Counted:  # an array the guard skipped: its length is all Config reads
-        def __init__(self, n: int):
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-    meta = guard_file(path).metadata
-    c = Config.from_gguf({k: _Counted(v.count) if isinstance(v, GGUFArray) else v for k, v in meta.items()})
-    per_page = 2 * c.n_layer * c.n_head_kv * page_size * c.head_dim * 2
+    per_page = page_bytes(Config.from_gguf(guard_file(path).metadata), page_size)
     return max_seqs * -(-n_ctx // page_size) * per_page
 
 
