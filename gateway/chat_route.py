@@ -103,7 +103,7 @@ async def _whole(loaded, engine_request: GenerateRequest, tally: Tally, completi
     if entries:
         tally.logprobs(entries)
     tally.answered(last)
-    receipt = tally.receipt(loaded.backend, loaded.verified)
+    receipt = tally.receipt_for(loaded)
     return json_response(completion.body(text, last, receipt, entries))
 
 
@@ -139,7 +139,7 @@ async def _streamed(request, loaded, engine_request: GenerateRequest, tally: Tal
                     tally.logprobs(sent_entries)
                 answer.record(_stem(loaded), out)
                 await response.send(completion.final_chunks(out))
-                await response.send(receipt_event(tally.receipt(loaded.backend, loaded.verified)))
+                await response.send(receipt_event(tally.receipt_for(loaded)))
                 await response.send(DONE_EVENT)
                 await response.eof()
     return None  # the answer went out through `response`

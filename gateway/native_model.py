@@ -26,6 +26,7 @@ class NativeModel:
     n_ctx: int
     chat_template: str | None
     defaults: SamplingParams  # llama.cpp's defaults under the GGUF's general.sampling.* (and /props)
+    chat_template_sha256: str | None = None  # set when --chat-template-file replaced the GGUF's template
 
     @classmethod
     def of(cls, engine: Any, path: str | os.PathLike) -> NativeModel:

@@ -131,7 +131,7 @@ class _Run:
         self.tally.answered(last)
         if entries:
             self.tally.logprobs(entries)
-        receipt = self.tally.receipt(self.loaded.backend, self.loaded.verified)
+        receipt = self.tally.receipt_for(self.loaded)
         return final_object(self.req.tag, self.req.kind, "" if streamed else text, last.finish_reason.value,
                             time.perf_counter_ns() - self.t0_ns, self.held.load_ns, last,
                             None if streamed else entries, receipt)

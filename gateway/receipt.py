@@ -64,7 +64,12 @@ class Tally:
         """The answer carries these logprob entries: the receipt hashes the array as written."""
         self.logprobs_sha256 = hashlib.sha256(jstr.dumps(entries).encode("utf-8")).hexdigest()
 
-    def receipt(self, engine: str, verified: Verified) -> dict:
+    def receipt_for(self, loaded) -> dict:
+        """The receipt of an answer of `loaded` (gateway.residency.Loaded): its engine, its verified file,
+        and the sha256 of a --chat-template-file when one replaced the GGUF's template."""
+        return self.receipt(loaded.backend, loaded.verified, getattr(loaded.model, "chat_template_sha256", None))
+
+    def receipt(self, engine: str, verified: Verified, chat_template_sha256: str | None = None) -> dict:
         out = {
             "bankml": __version__,
             "engine": engine,
@@ -79,6 +84,8 @@ class Tally:
         }
         if self.logprobs_sha256 is not None:
             out["logprobs_sha256"] = self.logprobs_sha256
+        if chat_template_sha256 is not None:
+            out["chat_template_sha256"] = chat_template_sha256
         out["signed"] = False
         return out
 
