@@ -49,6 +49,7 @@ from bankml.progress import stderr_progress
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
+from model.embed import Embedder, pooling_of, resolve_pooling
 from model.forward import forward
 from model.kvcache import KVPool, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
@@ -59,6 +60,7 @@ from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
 from model.steps import Sampled, put_row, run, select
 from model.steps import decode as decode_step
+from model.tokenizer_gguf import gguf_fields
 from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, load_weights, matrix_types
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,8 @@ class Engine:
         # the sampler without data-dependent branches: on a GPU each `lax.cond` is a device->host sync,
         # on a CPU skipping the sorts no row needs is worth it
         self.branchless = jax.default_backend() != "cpu"
+        self.gguf_pooling: int | None = None  # <arch>.pooling_type, when loaded from a file that has one
+        self._embedder = None  # model/embed.py's programs, made on the first embedding request
 
     # --- construction -------------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class Engine:
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                      page_size=page_size, n_pages=n_pages, lookahead=lookahead)
         engine.file_bytes = file_tensor_bytes(path)
+        engine.gguf_pooling = pooling_of(gguf_fields(path, (f"{config.arch}.pooling_type",)), config.arch)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
                  "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
                  page_size, n_pages * page_bytes(config, page_size) / 2**20, max_seqs)
@@ -555,6 +560,19 @@ class Engine:
             self._pieces = PieceIndex([self.tokenizer.token_to_piece(t, True) for t in range(self.tokenizer.n_vocab)])
         return self._dry_restarts.get(breakers, lambda: restart_sequences(
             breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False)))
+
+    # --- embeddings ---------------------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> int:
+        """The pooling llama-server --embeddings would use for this model (model/embed.py)."""
+        return resolve_pooling(self.gguf_pooling)
+
+    def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
+        """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""
+        if self._embedder is None:
+            self._embedder = Embedder(self.config, self.weights, self.pool.k.dtype)
+        return self._embedder.embed(token_lists, self.pooling if pooling is None else pooling)
 
     # --- tests and tools ------------------------------------------------------------------------
 
