@@ -30,7 +30,16 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
+from gateway import (
+    bankml_routes,
+    embeddings,
+    llama_routes,
+    monitor_routes,
+    ollama_chat,
+    ollama_create,
+    ollama_embed,
+    ollama_models,
+)
 from gateway.chat_route import chat_completions
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
@@ -63,8 +72,6 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/v1/chat/completions"): chat_completions,
     ("POST", "/api/chat"): ollama_chat.chat,
     ("POST", "/api/generate"): ollama_chat.generate,
-    ("POST", "/api/embed"): ollama_chat.refused,
-    ("POST", "/api/embeddings"): ollama_chat.refused,
     ("POST", "/api/pull"): ollama_chat.refused,
     ("POST", "/api/push"): ollama_chat.refused,
     ("GET", "/api/version"): ollama_models.version,
@@ -74,6 +81,12 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/api/create"): ollama_create.create,
     ("POST", "/api/copy"): ollama_create.copy,
     ("DELETE", "/api/delete"): ollama_create.delete,
+    # issue 15 B: embeddings (gateway/embeddings.py, gateway/ollama_embed.py; the engine's model/embed.py)
+    ("POST", "/v1/embeddings"): embeddings.oai_embeddings,
+    ("POST", "/embeddings"): embeddings.oai_embeddings,
+    ("POST", "/embedding"): embeddings.embedding,
+    ("POST", "/api/embed"): ollama_embed.embed,
+    ("POST", "/api/embeddings"): ollama_embed.embeddings,
 }
 
 

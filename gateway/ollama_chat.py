@@ -1,5 +1,5 @@
 """`POST /api/chat` and `POST /api/generate`, top to bottom (spec §1.1-§1.4); and the /api routes bankML
-refuses with a reason.
+refuses with a reason (/api/embed and /api/embeddings are served: gateway/ollama_embed.py).
 
 1. the body read once, off the loop (ollama_request.parse_ollama): the model resolved (404), a derived
    model's layer applied, keep_alive and stream read; every refusal and option check comes before any load;
@@ -36,12 +36,7 @@ from gateway.prompt_fit import chat_prompt, raw_prompt
 from gateway.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
-EMBEDDINGS_REFUSED = ("bankml serve --native has no embeddings yet: they need an encoder graph (bge-m3 is XLM-R: "
-                      "LayerNorm, bidirectional attention, CLS pooling), which bankML's engine does not have; keep "
-                      "Ollama for embeddings")
 REFUSED = {
-    "/api/embed": EMBEDDINGS_REFUSED,
-    "/api/embeddings": EMBEDDINGS_REFUSED,
     "/api/pull": "models are imported sha256-pinned: put the GGUF and its FORK.json in the registry directory "
                  "(`bankml fork FILE`)",
     "/api/push": "bankml publishes nothing: a model is shared by its pinned file and its FORK.json",
@@ -49,7 +44,7 @@ REFUSED = {
 
 
 async def refused(request, state):
-    """/api/embed, /api/embeddings, /api/pull, /api/push: 400 with the reason."""
+    """/api/pull, /api/push: 400 with the reason."""
     raise InvalidRequest(REFUSED[request.path])
 
 

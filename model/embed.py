@@ -33,38 +33,27 @@ from jax import lax
 
 from model.config import Config
 from model.forward import _attention, _layer, embed, rms_norm
+from model.pooling import (
+    POOLING_CLS,
+    POOLING_LAST,
+    POOLING_MEAN,
+    POOLING_NAMES,
+    POOLING_NONE,
+    SERVED,
+    EmbedError,
+)
 from model.rope import rope_tables
 from model.weights import Weights
 
 log = logging.getLogger(__name__)
-
-# llama.cpp's enum llama_pooling_type (include/llama.h)
-POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST, POOLING_RANK = 0, 1, 2, 3, 4
-POOLING_NAMES = {POOLING_NONE: "none", POOLING_MEAN: "mean", POOLING_CLS: "cls", POOLING_LAST: "last",
-                 POOLING_RANK: "rank"}
 
 MIN_LENGTH = 16  # the smallest length bucket
 MAX_BATCH = 16  # the largest batch bucket
 MAX_BATCH_TOKENS = 4096  # padded tokens in one program: the attention scores grow with B * T * T
 
 
-class EmbedError(ValueError):
-    """An embedding request the engine cannot take; the message is the reason."""
-
-
 def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
-
-
-def pooling_of(metadata: dict, arch: str) -> int | None:
-    """`<arch>.pooling_type` from GGUF key/values; None when the file has none."""
-    value = metadata.get(f"{arch}.pooling_type")
-    return None if value is None else int(value)
-
-
-def resolve_pooling(gguf_pooling: int | None) -> int:
-    """The pooling llama-server `--embeddings` uses for a model: the GGUF's, else (a chat model) mean."""
-    return POOLING_MEAN if gguf_pooling is None else gguf_pooling
 
 
 @partial(jax.jit, static_argnames=("config", "pooling", "kv_dtype"))
@@ -143,7 +132,7 @@ class Embedder:
 
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int) -> list[np.ndarray]:
         """One array per input: [D] pooled, or [n, D] (pooling none), f32, unnormalized."""
-        if pooling not in (POOLING_NONE, POOLING_MEAN, POOLING_CLS, POOLING_LAST):
+        if pooling not in SERVED:
             raise EmbedError(f"pooling type {POOLING_NAMES.get(pooling, pooling)} is not served by bankml "
                              "serve --native (rank needs a classification head)")
         n_vocab = self.config.n_vocab

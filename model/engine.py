@@ -49,11 +49,12 @@ from bankml.progress import stderr_progress
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
-from model.embed import Embedder, pooling_of, resolve_pooling
+from model.embed import Embedder
 from model.forward import forward
 from model.kvcache import KVPool, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.pages import PagePool
+from model.pooling import pooling_of, resolve_pooling
 from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
@@ -567,6 +568,10 @@ class Engine:
     def pooling(self) -> int:
         """The pooling llama-server --embeddings would use for this model (model/embed.py)."""
         return resolve_pooling(self.gguf_pooling)
+
+    @property
+    def n_embd(self) -> int:
+        return self.config.n_embd
 
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
         """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""

@@ -74,6 +74,13 @@ class FakeEngine(GeneratorBatch):
     def warmup(self) -> float:
         return 0.25
 
+    # embeddings (gateway/embeddings.py, ollama_embed.py): mean pooling, FAKE_N_EMBD numbers per input
+    pooling = 1
+    n_embd = 8
+
+    def embed(self, token_lists: list[list[int]], pooling: int | None = None) -> list:
+        return [fake_embedding(t) for t in token_lists]
+
     def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
                  request_id: str = "generate") -> Iterator[StepOutput]:
         params = params or SamplingParams()
@@ -100,6 +107,14 @@ class FakeEngine(GeneratorBatch):
                     return
         finally:
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
+
+
+def fake_embedding(tokens: list[int]):
+    """The fake engine's (unnormalized) embedding of a token list: 8 float32 numbers from its tokens."""
+    import numpy as np
+
+    t = np.asarray(tokens, np.float64)
+    return np.array([len(t), t.mean(), t[0], t[-1], t.max(), t.min(), -1.5, 1e-7], np.float32)
 
 
 def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1,

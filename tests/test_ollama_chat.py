@@ -350,8 +350,7 @@ def test_a_refusal_comes_before_any_lease():
 
 
 def test_refused_routes_say_why():
-    for path, words in (("/api/embed", "no embeddings yet"), ("/api/embeddings", "no embeddings yet"),
-                        ("/api/pull", "sha256-pinned"), ("/api/push", "publishes nothing")):
+    for path, words in (("/api/pull", "sha256-pinned"), ("/api/push", "publishes nothing")):
         with pytest.raises(InvalidRequest, match=words):
             _run(ollama_chat.refused, _Request({}, path), None)
 
@@ -434,7 +433,7 @@ def test_errors_are_ollamas_shape(server):
         r = httpx.request(method, server.url(path), content=b"{}", headers={"Content-Type": "application/json"})
         assert r.status_code == 404 and r.json()["error"].startswith("bankml serve --native (Ollama API): GET "
                                                                      "/api/version")
-    for path in ("/api/embed", "/api/embeddings", "/api/pull", "/api/push"):
+    for path in ("/api/pull", "/api/push"):  # /api/embed and /api/embeddings are served (test_embeddings.py)
         r = _post(server, path, {"model": FIRST})
         assert r.status_code == 400 and r.json()["error"]
 

@@ -1,0 +1,270 @@
+"""`POST /v1/embeddings`, `/embeddings` (OpenAI's shape) and `/embedding` (llama-server's own), top to bottom.
+
+1. read the JSON off the loop, as llama-server reads it (tools/server/server-context.cpp,
+   `handle_embeddings_impl`): `input`, else `content` (which also makes the answer llama-server's
+   own shape, even on /v1), else its 400; `encoding_format` "float" or "base64"; `embd_normalize`
+   (default 2); `dimensions` refused unless it is the model's n_embd (llama-server ignores it, and
+   a client that asks for fewer dimensions would get vectors it did not ask for);
+2. the model: /v1/embeddings and /embeddings resolve `model` as /v1/chat/completions does (404 for
+   an unknown name); /embedding names none and uses the current model; either is leased for the answer;
+3. the inputs tokenized off the loop as llama-server's `tokenize_input_prompts` does (a string, a
+   token list, a list of those, a string/token mix in one prompt), special tokens parsed, BOS as the
+   vocabulary says; each input checked as llama-server checks a task (empty, too large for its
+   physical batch, past the context);
+4. all inputs embedded together on the model's engine thread (model/embed.py through
+   `Engine.embed`), pooled as the GGUF says;
+5. normalized as llama-server's `send_embedding` does (common_embd_normalize, only when pooled; the
+   OAI route always Euclidean) and written: OpenAI's `{"model", "object", "usage", "data"}`, or
+   llama-server's list `[{"index", "embedding": [[...]]}]`. The receipt's response_sha256 is the sha256
+   of the vectors as written (module `vectors_json`); one receipt for the OAI body, one per answer
+   object in llama-server's list (a list has no place for a single one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bankml import jstr
+from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
+from gateway.chat_request import parse_body
+from gateway.errors import json_response
+from gateway.native_model import NativeModel
+from gateway.receipt import Tally
+from gateway.residency import FOREVER
+from model.engine_thread import EngineThreadFailed
+from model.pooling import POOLING_NONE, EmbedError
+
+N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
+
+TOO_LARGE = "input is too large to process. increase the physical batch size"
+
+
+# --- reading ---------------------------------------------------------------------------------------------
+
+
+def _type_name(v: Any) -> str:
+    """nlohmann's type_name() of a JSON value, for its type_error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int | float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _nlohmann_int(v: Any) -> int:
+    """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error."""
+    if isinstance(v, bool | int):
+        return int(v)
+    if isinstance(v, float) and v == v and abs(v) < 2**63:
+        return int(v)
+    raise RequestFailed(f"[json.exception.type_error.302] type must be number, but is {_type_name(v)}")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
+    """llama-server's tokenize_input_prompts(add_special=true, parse_special=true) (tools/server/utils.hpp):
+    an array holding any number is one prompt (tokens, or a mix of strings and tokens), any other
+    array a list of prompts; a string is one prompt."""
+    if isinstance(value, list) and not any(_is_number(v) for v in value):
+        if not value:
+            raise InvalidRequest('"prompt" must not be empty')
+        return [_subprompt(model, v) for v in value]
+    return [_subprompt(model, value)]
+
+
+def _subprompt(model: NativeModel, value: Any) -> list[int]:
+    if isinstance(value, str):
+        return model.tokenize(value, True, True)
+    if isinstance(value, list) and any(_is_number(v) for v in value):
+        out: list[int] = []
+        for i, piece in enumerate(value):  # tokenize_mixed: only the first piece gets the BOS
+            if isinstance(piece, str):
+                out += model.tokenize(piece, i == 0, True)
+            elif _is_number(piece):
+                out.append(_nlohmann_int(piece))
+            else:
+                raise RequestFailed(f"[json.exception.type_error.302] type must be number, but is {_type_name(piece)}")
+        return out
+    raise InvalidRequest('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt '
+                         'string, or a list of mixed strings & tokens.')
+
+
+def _check_task(tokens: list[int], n_ctx: int) -> None:
+    """What llama-server refuses of one embedding task before it runs (server-context.cpp update_slots):
+    an empty input; one that does not fit in a physical batch (a pooled embedding cannot be split, and
+    with pooling none neither); one past the context."""
+    if not tokens:
+        raise InvalidRequest("Input content cannot be empty")
+    if len(tokens) > N_UBATCH:
+        raise RequestFailed(TOO_LARGE)
+    if len(tokens) > n_ctx:
+        raise RequestFailed(TOO_LARGE)
+
+
+# --- normalizing and writing ----------------------------------------------------------------------------
+
+
+def normalize(vec: np.ndarray, mode: int) -> np.ndarray:
+    """common_embd_normalize (common/common.cpp): -1 none, 0 max-abs scaled to int16's range, 2 Euclidean,
+    any other p-norm (1 taxicab); the sum in double, the products and the result in float."""
+    x = vec.astype(np.float32)
+    if mode == -1:
+        total = 1.0
+    elif mode == 0:
+        total = float(np.max(np.abs(x))) / 32760.0 if x.size else 0.0
+    elif mode == 2:
+        total = float(np.sqrt(np.sum((x * x).astype(np.float64))))
+    else:
+        total = float(np.sum(np.power(np.abs(x).astype(np.float64), mode))) ** (1.0 / mode) if mode else 0.0
+    norm = np.float32(1.0 / total) if total > 0.0 else np.float32(0.0)
+    return x * norm
+
+
+def vector_json(vec: np.ndarray) -> str:
+    """One float32 vector as nlohmann writes a std::vector<float> (each as a double, shortest round trip)."""
+    return "[" + ",".join(map(repr, vec.astype(np.float64).tolist())) + "]"
+
+
+def base64_of(vec: np.ndarray) -> str:
+    """llama-server's base64: the float32 bytes, little-endian, as OpenAI's client decodes them."""
+    return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+
+
+def vectors_sha256(written: list[str]) -> str:
+    """The OAI receipt's response_sha256: the `embedding` values as written (JSON texts: arrays, or base64
+    strings in quotes) joined as one JSON array, `[v0,v1,...]`."""
+    return hashlib.sha256(("[" + ",".join(written) + "]").encode("utf-8")).hexdigest()
+
+
+# --- the request ------------------------------------------------------------------------------------------
+
+
+class EmbeddingRequest:
+    """The body read as llama-server reads it, before any model work."""
+
+    def __init__(self, doc: Any, oai: bool):
+        if not isinstance(doc, dict):  # nlohmann's count()/contains() on a non-object: neither field
+            doc = {}
+        self.doc = doc
+        if "input" in doc:
+            self.prompt = doc["input"]
+        elif "content" in doc:
+            self.prompt, oai = doc["content"], False  # "content" is not OAI compatible
+        else:
+            raise InvalidRequest('"input" or "content" must be provided')
+        self.oai = oai
+        self.base64 = False
+        if "encoding_format" in doc:
+            fmt = doc["encoding_format"]
+            if not isinstance(fmt, str):
+                raise RequestFailed(f"[json.exception.type_error.302] type must be string, but is {_type_name(fmt)}")
+            if fmt == "base64":
+                self.base64 = True
+            elif fmt != "float":
+                raise InvalidRequest("The format to return the embeddings in. Can be either float or base64")
+        self.normalize = _nlohmann_int(doc["embd_normalize"]) if "embd_normalize" in doc else 2
+        self.dimensions = doc.get("dimensions")
+
+
+async def oai_embeddings(request, state):
+    """`POST /v1/embeddings` and `/embeddings`."""
+    doc = await asyncio.to_thread(parse_body, request.body)
+    resolved = state.registry.resolve(doc.get("model") if isinstance(doc, dict) else None)
+    return await _answer(request, state, doc, True, resolved.pin)
+
+
+async def embedding(request, state):
+    """`POST /embedding`: llama-server's own shape; no model name (the current model)."""
+    doc = await asyncio.to_thread(parse_body, request.body)
+    loaded = await state.residency.current()
+    return await _answer(request, state, doc, False, loaded.pin)
+
+
+async def engine_call(loaded, fn: Callable[[Any], Any]) -> Any:
+    """`fn(engine)` on the model's engine thread, between two decode iterations (Engine.embed runs all of a
+    request's inputs there, together). An engine thread that is gone is a 503; EmbedError a 400."""
+    try:
+        return await loaded.client.call(lambda: fn(loaded.client.thread.engine))
+    except EngineThreadFailed as e:
+        raise EngineGone(f"the engine thread stopped: {e}") from None
+    except EmbedError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+async def _answer(request, state, doc: Any, oai: bool, pin):
+    req = EmbeddingRequest(doc, oai)
+    async with state.residency.lease(pin) as held:
+        loaded = held.loaded
+        model = loaded.model
+        token_lists = await asyncio.to_thread(input_prompts, model, req.prompt)
+        pooling, n_embd = await engine_call(loaded, lambda engine: (engine.pooling, engine.n_embd))
+        if req.oai and pooling == POOLING_NONE:
+            raise InvalidRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+        check_dimensions(req.dimensions, n_embd)
+        for tokens in token_lists:
+            _check_task(tokens, model.n_ctx)
+        tally = Tally.start(request.body)
+        vectors = await engine_call(loaded, lambda engine: engine.embed(token_lists))
+        text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)
+        state.residency.touch(pin.name, FOREVER)  # spec §2: llama-server's routes keep their model forever
+        return json_response(text)
+
+
+def check_dimensions(dimensions: Any, n_embd: int) -> None:
+    """OpenAI's `dimensions`: honoured only as the model's own size (a shortened vector is not what the
+    model gives)."""
+    if dimensions is None:
+        return
+    if dimensions != n_embd or isinstance(dimensions, bool):
+        raise NotSupported(f"dimensions: this model's embeddings have {n_embd} dimensions, and bankml serve --native "
+                           "does not shorten them (llama-server would ignore the field)")
+
+
+def _write(req: EmbeddingRequest, loaded, token_lists: list[list[int]], vectors: list[np.ndarray], pooling: int,
+           tally: Tally) -> str:
+    n_tokens = sum(len(t) for t in token_lists)
+    if req.oai:
+        # the OAI route: pooled (checked above), normalized by embd_normalize (default Euclidean)
+        written = [jstr.jstr(base64_of(normalize(v, req.normalize))) if req.base64
+                   else vector_json(normalize(v, req.normalize)) for v in vectors]
+        tally.prompt_tokens = n_tokens
+        tally_receipt = _receipt(tally, loaded, written)
+        items = []
+        for i, w in enumerate(written):
+            extra = ', "encoding_format": "base64"' if req.base64 else ""
+            items.append(f'{{"embedding": {w}, "index": {i}, "object": "embedding"{extra}}}')
+        model = req.doc.get("model")
+        shown = model if isinstance(model, str) else loaded.file_name
+        return (f'{{"model": {jstr.jstr(shown)}, "object": "list", "usage": {{"prompt_tokens": {n_tokens}, '
+                f'"total_tokens": {n_tokens}}}, "data": [{", ".join(items)}], '
+                f'"bankml_receipt": {jstr.dumps(tally_receipt)}}}')
+    out = []
+    for i, (tokens, v) in enumerate(zip(token_lists, vectors, strict=True)):
+        if pooling == POOLING_NONE:  # one vector per token, never normalized (send_embedding)
+            w = "[" + ",".join(vector_json(row) for row in v) + "]"
+        else:
+            w = "[" + vector_json(normalize(v, req.normalize)) + "]"
+        one = Tally(tally.request_sha256, tally.t0, prompt_tokens=len(tokens))
+        receipt = one.receipt_for(loaded)
+        receipt["response_sha256"] = hashlib.sha256(w.encode("utf-8")).hexdigest()
+        out.append(f'{{"index": {i}, "embedding": {w}, "bankml_receipt": {jstr.dumps(receipt)}}}')
+    return "[" + ", ".join(out) + "]"
+
+
+def _receipt(tally: Tally, loaded, written: list[str]) -> dict:
+    receipt = tally.receipt_for(loaded)
+    receipt["response_sha256"] = vectors_sha256(written)
+    return receipt
