@@ -33,16 +33,16 @@ import numpy as np
 from bankml import jstr
 from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
 from gateway.chat_request import parse_body
-from gateway.errors import json_response
+from gateway.errors import exceed_context, json_response
 from gateway.native_model import NativeModel
 from gateway.receipt import Tally
 from gateway.residency import FOREVER
 from model.engine_thread import EngineThreadFailed
 from model.pooling import POOLING_NONE, EmbedError
 
+ELEMENTS = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a '
+            'list of mixed strings & tokens.')
 N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
-
-TOO_LARGE = "input is too large to process. increase the physical batch size"
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -61,13 +61,18 @@ def _type_name(v: Any) -> str:
     return "array" if isinstance(v, list) else "object"
 
 
+def _type_error(expected: str, v: Any) -> InvalidRequest:
+    # a json exception while reading the body is llama-server's 400 (recorded: embeddings_smollm2.json)
+    return InvalidRequest(f"[json.exception.type_error.302] type must be {expected}, but is {_type_name(v)}")
+
+
 def _nlohmann_int(v: Any) -> int:
     """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error."""
     if isinstance(v, bool | int):
         return int(v)
     if isinstance(v, float) and v == v and abs(v) < 2**63:
         return int(v)
-    raise RequestFailed(f"[json.exception.type_error.302] type must be number, but is {_type_name(v)}")
+    raise _type_error("number", v)
 
 
 def _is_number(v: Any) -> bool:
@@ -80,7 +85,7 @@ def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
     array a list of prompts; a string is one prompt."""
     if isinstance(value, list) and not any(_is_number(v) for v in value):
         if not value:
-            raise InvalidRequest('"prompt" must not be empty')
+            raise InvalidRequest('"input" must not be empty')
         return [_subprompt(model, v) for v in value]
     return [_subprompt(model, value)]
 
@@ -95,23 +100,25 @@ def _subprompt(model: NativeModel, value: Any) -> list[int]:
                 out += model.tokenize(piece, i == 0, True)
             elif _is_number(piece):
                 out.append(_nlohmann_int(piece))
-            else:
-                raise RequestFailed(f"[json.exception.type_error.302] type must be number, but is {_type_name(piece)}")
+            else:  # a boolean, null, array or object among the tokens
+                raise InvalidRequest(ELEMENTS)
         return out
-    raise InvalidRequest('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt '
-                         'string, or a list of mixed strings & tokens.')
+    raise InvalidRequest(ELEMENTS)
 
 
-def _check_task(tokens: list[int], n_ctx: int) -> None:
-    """What llama-server refuses of one embedding task before it runs (server-context.cpp update_slots):
-    an empty input; one that does not fit in a physical batch (a pooled embedding cannot be split, and
-    with pooling none neither); one past the context."""
+def _check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
+    """What llama-server refuses of one embedding task before it runs (server-context.cpp): an empty input,
+    a token outside the vocabulary, and one that does not fit in a physical batch (a pooled embedding is
+    never split, nor is one with pooling none) or in the context."""
     if not tokens:
         raise InvalidRequest("Input content cannot be empty")
+    if any(t < 0 or t >= n_vocab for t in tokens):
+        raise InvalidRequest("Prompt contains invalid tokens")
     if len(tokens) > N_UBATCH:
-        raise RequestFailed(TOO_LARGE)
+        raise RequestFailed(f"input ({len(tokens)} tokens) is too large to process. increase the physical batch "
+                            f"size (current batch size: {N_UBATCH})")
     if len(tokens) > n_ctx:
-        raise RequestFailed(TOO_LARGE)
+        raise exceed_context(len(tokens), n_ctx)
 
 
 # --- normalizing and writing ----------------------------------------------------------------------------
@@ -170,7 +177,7 @@ class EmbeddingRequest:
         if "encoding_format" in doc:
             fmt = doc["encoding_format"]
             if not isinstance(fmt, str):
-                raise RequestFailed(f"[json.exception.type_error.302] type must be string, but is {_type_name(fmt)}")
+                raise _type_error("string", fmt)
             if fmt == "base64":
                 self.base64 = True
             elif fmt != "float":
@@ -210,12 +217,15 @@ async def _answer(request, state, doc: Any, oai: bool, pin):
         loaded = held.loaded
         model = loaded.model
         token_lists = await asyncio.to_thread(input_prompts, model, req.prompt)
-        pooling, n_embd = await engine_call(loaded, lambda engine: (engine.pooling, engine.n_embd))
+        pooling, n_embd, n_vocab = await engine_call(
+            loaded, lambda engine: (engine.pooling, engine.n_embd, engine.n_vocab))
         if req.oai and pooling == POOLING_NONE:
             raise InvalidRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
         check_dimensions(req.dimensions, n_embd)
+        if not all(token_lists):  # the handler's check, before any task is made
+            raise InvalidRequest("Input content cannot be empty")
         for tokens in token_lists:
-            _check_task(tokens, model.n_ctx)
+            _check_task(tokens, model.n_ctx, n_vocab)
         tally = Tally.start(request.body)
         vectors = await engine_call(loaded, lambda engine: engine.embed(token_lists))
         text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)

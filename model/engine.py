@@ -573,6 +573,10 @@ class Engine:
     def n_embd(self) -> int:
         return self.config.n_embd
 
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
         """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""
         if self._embedder is None:
