@@ -83,7 +83,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("DELETE", "/api/delete"): ollama_create.delete,
     # issue 15 B: embeddings (gateway/embeddings.py, gateway/ollama_embed.py; the engine's model/embed.py)
     ("POST", "/v1/embeddings"): embeddings.oai_embeddings,
-    ("POST", "/embeddings"): embeddings.oai_embeddings,
+    ("POST", "/embeddings"): embeddings.embedding,  # llama-server's alias of /embedding (its shape, recorded)
     ("POST", "/embedding"): embeddings.embedding,
     ("POST", "/api/embed"): ollama_embed.embed,
     ("POST", "/api/embeddings"): ollama_embed.embeddings,

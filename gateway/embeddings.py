@@ -1,12 +1,12 @@
-"""`POST /v1/embeddings`, `/embeddings` (OpenAI's shape) and `/embedding` (llama-server's own), top to bottom.
+"""`POST /v1/embeddings` (OpenAI's shape), `/embedding` and `/embeddings` (llama-server's own), top to bottom.
 
 1. read the JSON off the loop, as llama-server reads it (tools/server/server-context.cpp,
    `handle_embeddings_impl`): `input`, else `content` (which also makes the answer llama-server's
    own shape, even on /v1), else its 400; `encoding_format` "float" or "base64"; `embd_normalize`
    (default 2); `dimensions` refused unless it is the model's n_embd (llama-server ignores it, and
    a client that asks for fewer dimensions would get vectors it did not ask for);
-2. the model: /v1/embeddings and /embeddings resolve `model` as /v1/chat/completions does (404 for
-   an unknown name); /embedding names none and uses the current model; either is leased for the answer;
+2. the model: /v1/embeddings resolves `model` as /v1/chat/completions does (404 for an unknown name);
+   /embedding and /embeddings name none and use the current model; either is leased for the answer;
 3. the inputs tokenized off the loop as llama-server's `tokenize_input_prompts` does (a string, a
    token list, a list of those, a string/token mix in one prompt), special tokens parsed, BOS as the
    vocabulary says; each input checked as llama-server checks a task (empty, too large for its
@@ -187,14 +187,15 @@ class EmbeddingRequest:
 
 
 async def oai_embeddings(request, state):
-    """`POST /v1/embeddings` and `/embeddings`."""
+    """`POST /v1/embeddings`."""
     doc = await asyncio.to_thread(parse_body, request.body)
     resolved = state.registry.resolve(doc.get("model") if isinstance(doc, dict) else None)
     return await _answer(request, state, doc, True, resolved.pin)
 
 
 async def embedding(request, state):
-    """`POST /embedding`: llama-server's own shape; no model name (the current model)."""
+    """`POST /embedding` and `/embeddings`: llama-server's own shape (even with `input`, as it answers them);
+    no model name (the current model)."""
     doc = await asyncio.to_thread(parse_body, request.body)
     loaded = await state.residency.current()
     return await _answer(request, state, doc, False, loaded.pin)

@@ -77,7 +77,7 @@ class FakeEngine(GeneratorBatch):
     # embeddings (gateway/embeddings.py, ollama_embed.py): mean pooling, FAKE_N_EMBD numbers per input
     pooling = 1
     n_embd = 8
-    n_vocab = 256  # one token per byte
+    n_vocab = 49152  # SmolLM2's: recorded token inputs are in range (the fake's own tokens are bytes)
 
     def embed(self, token_lists: list[list[int]], pooling: int | None = None) -> list:
         return [fake_embedding(t) for t in token_lists]
