@@ -108,3 +108,13 @@ def test_embedding_programs_compile_on_first_use(tmp_path):
     assert engine._embedder is None  # loading made no embedding program
     engine.embed([[1, 2, 3]])
     assert list(engine._embedder._compiled) == [(1, 16, POOLING_MEAN)]
+
+
+def test_the_device_layout_gives_the_same_states(tmp_path):
+    """The unrolled layers (the GPU's layout, here through the kernels' jnp twins) against the stacked ones."""
+    path = write_tiny_gguf(tmp_path / "gemma3.gguf", "gemma3", n_layer=2, scale=0.3)
+    stacked = Engine.load(path, verified=True, n_ctx=64, max_seqs=1, warmup=False)
+    device = Engine.load(path, verified=True, n_ctx=64, max_seqs=1, warmup=False, layout="device")
+    tokens = _tokens(20, 9)  # past gemma3's sliding window of 8
+    np.testing.assert_allclose(device.embed([tokens], POOLING_NONE)[0], stacked.embed([tokens], POOLING_NONE)[0],
+                               rtol=1e-5, atol=1e-5)
