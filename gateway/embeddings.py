@@ -82,7 +82,7 @@ def _is_number(v: Any) -> bool:
 def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
     """llama-server's tokenize_input_prompts(add_special=true, parse_special=true) (tools/server/utils.hpp):
     an array holding any number is one prompt (tokens, or a mix of strings and tokens), any other
-    array a list of prompts; a string is one prompt."""
+    array a list of prompts; a string or an object (`_object_text`) is one prompt."""
     if isinstance(value, list) and not any(_is_number(v) for v in value):
         if not value:
             raise InvalidRequest('"input" must not be empty')
@@ -93,6 +93,8 @@ def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
 def _subprompt(model: NativeModel, value: Any) -> list[int]:
     if isinstance(value, str):
         return model.tokenize(value, True, True)
+    if isinstance(value, dict):
+        return model.tokenize(_object_text(value), True, True)
     if isinstance(value, list) and any(_is_number(v) for v in value):
         out: list[int] = []
         for i, piece in enumerate(value):  # tokenize_mixed: only the first piece gets the BOS
@@ -104,6 +106,35 @@ def _subprompt(model: NativeModel, value: Any) -> list[int]:
                 raise InvalidRequest(ELEMENTS)
         return out
     raise InvalidRequest(ELEMENTS)
+
+
+def _object_text(value: dict) -> str:
+    """A prompt given as an object (b11434, recorded): `prompt_string` (with `multimodal_data` the refusal
+    of a text-only model), else `content` as OpenAI's parts, whose texts are joined."""
+    if "prompt_string" in value:
+        text = value["prompt_string"]
+        if not isinstance(text, str):
+            raise _type_error("string", text)
+        if "multimodal_data" in value:
+            raise RequestFailed("Multimodal data provided, but model does not support multimodal requests.")
+        return text
+    if "content" not in value:
+        raise InvalidRequest(ELEMENTS)
+    parts = value["content"]
+    if not isinstance(parts, list):
+        raise InvalidRequest('"content" must be an array')
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            text = part.get("text")
+            texts.append(text if isinstance(text, str) else "")  # a text that is not a string reads as ""
+        elif kind in ("image_url", "input_audio"):
+            raise RequestFailed(f"{'image' if kind == 'image_url' else 'audio'} input is not supported - hint: if this "
+                                "is unexpected, you may need to provide the mmproj")
+        else:
+            raise InvalidRequest("unsupported content[].type")
+    return "".join(texts)
 
 
 def _check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:

@@ -77,7 +77,8 @@ def smollm2_model(smollm2_path):
 
 
 @pytest.mark.parametrize("name", ["oai_short", "oai_multibyte", "oai_batch", "oai_tokens", "oai_token_lists",
-                                  "oai_base64", "llama_batch", "long_400", "oai_mixed"])
+                                  "oai_base64", "llama_batch", "long_400", "oai_mixed", "obj_prompt_string",
+                                  "obj_content_parts", "obj_list"])
 def test_inputs_split_and_tokenize_as_llama_server(smollm2_model, name):
     _, body = FIXTURE["requests"][name]
     got = input_prompts(smollm2_model, body.get("input", body.get("content")))
@@ -85,6 +86,10 @@ def test_inputs_split_and_tokenize_as_llama_server(smollm2_model, name):
         hello, again = FIXTURE["tokens"]["mixed_parts"]
         assert got == [hello + [905] + again]
         assert MEAN[name]["body"]["usage"]["prompt_tokens"] == len(got[0])
+    elif name.startswith("obj_"):  # objects: prompt_string, or content parts whose texts are joined
+        assert len(got) == len(MEAN[name]["body"]["data"])
+        if name == "obj_content_parts":
+            assert got[0] == got[1]
     else:
         assert got == FIXTURE["tokens"][name]
     usage = MEAN[name]["body"]["usage"]["prompt_tokens"] if isinstance(MEAN[name]["body"], dict) else None
@@ -175,6 +180,11 @@ def test_vectors_base64_and_the_model_named(server):
         np.testing.assert_array_equal(np.frombuffer(base64.b64decode(item["embedding"]), "<f4"), np.float32(v))
     r = post(server, "/embedding", {"content": "Hello", "embd_normalize": -1})
     np.testing.assert_array_equal(np.float32(r.json()[0]["embedding"][0]), fake_vector("Hello"))
+
+
+def test_content_parts_embed_as_their_joined_text(server):
+    r = post(server, "/v1/embeddings", FIXTURE["requests"]["obj_content_parts"][1])
+    assert r.json()["data"][0]["embedding"] == r.json()["data"][1]["embedding"]
 
 
 def test_unknown_model_is_a_404_and_routes_are_exact(server):
