@@ -42,6 +42,7 @@ from model.pooling import POOLING_NONE, EmbedError
 
 ELEMENTS = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a '
             'list of mixed strings & tokens.')
+PER_CALL = 16  # inputs per engine call (model/embed.py's largest batch)
 N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
 
 
@@ -243,6 +244,19 @@ async def engine_call(loaded, fn: Callable[[Any], Any]) -> Any:
         raise InvalidRequest(str(e)) from None
 
 
+async def embed_all(loaded, token_lists: list[list[int]]) -> list[np.ndarray]:
+    """Every input's vector, PER_CALL inputs of similar length per engine call: the decode loop's
+    iterations run between two calls, so a request of many inputs never stalls the streams beside it."""
+    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
+    out: list[np.ndarray | None] = [None] * len(token_lists)
+    for s in range(0, len(order), PER_CALL):
+        part = order[s:s + PER_CALL]
+        batch = [token_lists[i] for i in part]
+        for i, v in zip(part, await engine_call(loaded, lambda engine, batch=batch: engine.embed(batch)), strict=True):
+            out[i] = v
+    return out  # type: ignore[return-value]
+
+
 async def _answer(request, state, doc: Any, oai: bool, pin):
     req = EmbeddingRequest(doc, oai)
     async with state.residency.lease(pin) as held:
@@ -259,7 +273,7 @@ async def _answer(request, state, doc: Any, oai: bool, pin):
         for tokens in token_lists:
             _check_task(tokens, model.n_ctx, n_vocab)
         tally = Tally.start(request.body)
-        vectors = await engine_call(loaded, lambda engine: engine.embed(token_lists))
+        vectors = await embed_all(loaded, token_lists)
         text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)
         state.residency.touch(pin.name, FOREVER)  # spec §2: llama-server's routes keep their model forever
         return json_response(text)

@@ -31,7 +31,7 @@ import numpy as np
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from gateway.derived import layer_num_ctx
-from gateway.embeddings import engine_call, vector_json
+from gateway.embeddings import embed_all, engine_call, vector_json
 from gateway.errors import json_response
 from gateway.ollama_request import keep_alive, read_body, read_options
 from gateway.receipt import Tally
@@ -162,7 +162,7 @@ async def _answer(request, state, legacy: bool):
             if pooling == POOLING_NONE:
                 raise InvalidRequest("this model does not pool its embeddings (pooling type none)")
             tally = Tally.start(body)
-            vectors = await engine_call(loaded, lambda engine: engine.embed(token_lists))
+            vectors = await embed_all(loaded, token_lists)
             n_tokens = sum(len(t) for t in token_lists)
             tally.prompt_tokens = n_tokens
             text = await asyncio.to_thread(_write, req, legacy, vectors, n_tokens, tally, loaded, t0_ns, held.load_ns)

@@ -182,6 +182,14 @@ def test_vectors_base64_and_the_model_named(server):
     np.testing.assert_array_equal(np.float32(r.json()[0]["embedding"][0]), fake_vector("Hello"))
 
 
+def test_many_inputs_come_back_in_order(server):
+    texts = [f"text number {i}" + "!" * (i % 7) for i in range(40)]  # 3 engine calls, by length
+    r = post(server, "/v1/embeddings", {"input": texts})
+    assert [d["index"] for d in r.json()["data"]] == list(range(40))
+    for text, d in zip(texts, r.json()["data"], strict=True):
+        np.testing.assert_array_equal(np.float32(d["embedding"]), normalize(fake_vector(text), 2))
+
+
 def test_content_parts_embed_as_their_joined_text(server):
     r = post(server, "/v1/embeddings", FIXTURE["requests"]["obj_content_parts"][1])
     assert r.json()["data"][0]["embedding"] == r.json()["data"][1]["embedding"]
