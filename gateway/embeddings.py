@@ -11,8 +11,10 @@
    token list, a list of those, a string/token mix in one prompt), special tokens parsed, BOS as the
    vocabulary says; each input checked as llama-server checks a task (empty, too large for its
    physical batch, past the context);
-4. all inputs embedded together on the model's engine thread (model/embed.py through
-   `Engine.embed`), pooled as the GGUF says;
+4. the inputs embedded on the model's engine thread (model/embed.py through `Engine.embed`), batched,
+   up to 16 of similar length per call so decode steps run between calls; pooled as the GGUF says
+   (a model without `<arch>.pooling_type`: mean, as `llama-server --pooling mean`; b11434 without
+   `--pooling` pools such a model as none and refuses this OAI route, recorded);
 5. normalized as llama-server's `send_embedding` does (common_embd_normalize, only when pooled; the
    OAI route always Euclidean) and written: OpenAI's `{"model", "object", "usage", "data"}`, or
    llama-server's list `[{"index", "embedding": [[...]]}]`. The receipt's response_sha256 is the sha256
@@ -234,8 +236,8 @@ async def embedding(request, state):
 
 
 async def engine_call(loaded, fn: Callable[[Any], Any]) -> Any:
-    """`fn(engine)` on the model's engine thread, between two decode iterations (Engine.embed runs all of a
-    request's inputs there, together). An engine thread that is gone is a 503; EmbedError a 400."""
+    """`fn(engine)` on the model's engine thread, between two decode iterations. An engine thread that is
+    gone is a 503; EmbedError a 400."""
     try:
         return await loaded.client.call(lambda: fn(loaded.client.thread.engine))
     except EngineThreadFailed as e:
