@@ -30,19 +30,13 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import (
-    bankml_routes,
-    embeddings,
-    llama_routes,
-    monitor_routes,
-    ollama_chat,
-    ollama_create,
-    ollama_embed,
-    ollama_models,
-)
+from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
 from gateway.chat_route import chat_completions
+from gateway.embeddings import embedding, oai_embeddings
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
+from gateway.ollama_embed import embed as ollama_embed
+from gateway.ollama_embed import embeddings as ollama_embeddings
 from gateway.registry import Registry
 from gateway.residency import Estimate, Loader, Residency
 from gateway.sanic_app import bind, sanic_app
@@ -82,11 +76,11 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/api/copy"): ollama_create.copy,
     ("DELETE", "/api/delete"): ollama_create.delete,
     # issue 15 B: embeddings (gateway/embeddings.py, gateway/ollama_embed.py; the engine's model/embed.py)
-    ("POST", "/v1/embeddings"): embeddings.oai_embeddings,
-    ("POST", "/embeddings"): embeddings.embedding,  # llama-server's alias of /embedding (its shape, recorded)
-    ("POST", "/embedding"): embeddings.embedding,
-    ("POST", "/api/embed"): ollama_embed.embed,
-    ("POST", "/api/embeddings"): ollama_embed.embeddings,
+    ("POST", "/v1/embeddings"): oai_embeddings,
+    ("POST", "/embeddings"): embedding,  # llama-server's alias of /embedding (its shape, recorded)
+    ("POST", "/embedding"): embedding,
+    ("POST", "/api/embed"): ollama_embed,
+    ("POST", "/api/embeddings"): ollama_embeddings,
 }
 
 
