@@ -35,7 +35,7 @@ import numpy as np
 from bankml import jstr
 from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
 from gateway.chat_request import parse_body
-from gateway.errors import exceed_context, json_response
+from gateway.errors import json_response
 from gateway.native_model import NativeModel
 from gateway.receipt import Tally
 from gateway.residency import FOREVER
@@ -140,19 +140,19 @@ def _object_text(value: dict) -> str:
     return "".join(texts)
 
 
-def _check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
+def check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
     """What llama-server refuses of one embedding task before it runs (server-context.cpp): an empty input,
     a token outside the vocabulary, and one that does not fit in a physical batch (a pooled embedding is
-    never split, nor is one with pooling none) or in the context."""
+    never split, nor is one with pooling none): its default 512 tokens, or the context when that is
+    smaller (llama-context.cpp clamps n_ubatch to n_batch, and n_batch to n_ctx; recorded with -c 256)."""
     if not tokens:
         raise InvalidRequest("Input content cannot be empty")
     if any(t < 0 or t >= n_vocab for t in tokens):
         raise InvalidRequest("Prompt contains invalid tokens")
-    if len(tokens) > N_UBATCH:
+    n_ubatch = min(N_UBATCH, n_ctx)
+    if len(tokens) > n_ubatch:
         raise RequestFailed(f"input ({len(tokens)} tokens) is too large to process. increase the physical batch "
-                            f"size (current batch size: {N_UBATCH})")
-    if len(tokens) > n_ctx:
-        raise exceed_context(len(tokens), n_ctx)
+                            f"size (current batch size: {n_ubatch})")
 
 
 # --- normalizing and writing ----------------------------------------------------------------------------
@@ -273,7 +273,7 @@ async def _answer(request, state, doc: Any, oai: bool, pin):
         if not all(token_lists):  # the handler's check, before any task is made
             raise InvalidRequest("Input content cannot be empty")
         for tokens in token_lists:
-            _check_task(tokens, model.n_ctx, n_vocab)
+            check_task(tokens, model.n_ctx, n_vocab)
         tally = Tally.start(request.body)
         vectors = await embed_all(loaded, token_lists)
         text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)

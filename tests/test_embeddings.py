@@ -19,7 +19,8 @@ import pytest
 from fake_engine import fake_embedding
 from gateway_helpers import FakeServer, tiny_model
 
-from gateway.embeddings import EmbeddingRequest, input_prompts, normalize
+from bankml.errors import RequestFailed
+from gateway.embeddings import EmbeddingRequest, check_task, input_prompts, normalize
 from gateway.native_model import NativeModel
 from gateway.ollama_embed import float32_json, go_float32, ollama_normalize
 
@@ -118,6 +119,15 @@ def test_refusals_are_llama_servers(server, name):
                             r"\(current batch size: 512\)", got["message"])
     elif name not in PARSER:
         assert got["message"] == want["message"]
+
+
+def test_the_physical_batch_is_the_context_when_that_is_smaller():
+    rec = FIXTURE["small_context"]
+    n = int(re.match(r"input \((\d+) tokens\)", rec["body"]["error"]["message"]).group(1))
+    with pytest.raises(RequestFailed) as e:
+        check_task([1] * n, rec["n_ctx"], 49152)
+    assert (rec["status"], e.value.message) == (500, rec["body"]["error"]["message"])
+    check_task([1] * rec["n_ctx"], rec["n_ctx"], 49152)  # a whole context fits
 
 
 def test_dimensions_other_than_the_models_are_refused(server):
