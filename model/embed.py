@@ -22,6 +22,7 @@ decode iterations, so it never races the decode loop for the device.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -99,9 +100,11 @@ def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, con
 class Embedder:
     """The compiled embedding programs of one engine (its weights, config and KV type)."""
 
-    def __init__(self, config: Config, weights: Weights, kv_dtype):
+    def __init__(self, config: Config, weights: Weights, kv_dtype, lowering: threading.Lock | None = None):
         self.config, self.weights, self.kv_dtype = config, weights, kv_dtype
         self._compiled: dict[tuple[int, int, int], object] = {}
+        # the engine's lock: one program is lowered at a time, beside the background compile (engine.py)
+        self._lowering = lowering or threading.Lock()
 
     def plan(self, lengths: Sequence[int]) -> list[tuple[int, int, list[int]]]:
         """The programs a request runs: (batch bucket, length bucket, the inputs' indices) for each batch."""
@@ -123,8 +126,10 @@ class Embedder:
         if program is None:
             t0 = time.perf_counter()
             specs = (jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
-            program = embed_forward.lower(self.weights, *specs, config=self.config, pooling=pooling,
-                                          kv_dtype=self.kv_dtype).compile()
+            with self._lowering:
+                lowered = embed_forward.lower(self.weights, *specs, config=self.config, pooling=pooling,
+                                              kv_dtype=self.kv_dtype)
+            program = lowered.compile()
             self._compiled[key] = program
             log.info("compiled the embedding program for %d x %d tokens (pooling %s) in %.2f s", b, t,
                      POOLING_NAMES.get(pooling, pooling), time.perf_counter() - t0)

@@ -580,7 +580,7 @@ class Engine:
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
         """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""
         if self._embedder is None:
-            self._embedder = Embedder(self.config, self.weights, self.pool.k.dtype)
+            self._embedder = Embedder(self.config, self.weights, self.pool.k.dtype, _LOWERING)
         return self._embedder.embed(token_lists, self.pooling if pooling is None else pooling)
 
     # --- tests and tools ------------------------------------------------------------------------
