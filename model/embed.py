@@ -2,8 +2,9 @@
 
 What llama-server `--embeddings` returns is llama.cpp's `t_embd` (`result_norm`, the output norm's
 result, before the LM head) pooled by the context's pooling type (src/llama-graph.cpp,
-`build_pooling`): `<arch>.pooling_type` from the GGUF (llama.cpp's enum below), and, for a model
-without one, what llama-server's `--pooling` default gives it (`resolve_pooling`).
+`build_pooling`): `<arch>.pooling_type` from the GGUF (llama.cpp's enum: model/pooling.py), and, for a
+model without one, mean (`resolve_pooling`: what `llama-server --pooling mean` gives; b11434 without
+`--pooling` pools such a model as none, recorded in tests/fixtures/embeddings_smollm2.json).
 
 `Embedder.embed(token_lists, pooling)` runs a request's inputs together: they are grouped by
 power-of-two length bucket (at least MIN_LENGTH), each group cut into batches of a power-of-two

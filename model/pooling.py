@@ -1,8 +1,9 @@
 """llama.cpp's pooling types and what a GGUF asks for; no jax here, so the gateway can read them.
 
 llama.cpp's `enum llama_pooling_type` (include/llama.h). A model's pooling is `<arch>.pooling_type`
-from its GGUF; a chat model has none, and llama-server `--embeddings` then pools as `resolve_pooling`
-says (its `--pooling` default for such a model; recorded in tests/fixtures/embeddings_smollm2.json).
+from its GGUF. A chat model has none: b11434's llama-server then pools it as none (one vector per
+token) and refuses /v1/embeddings (recorded in tests/fixtures/embeddings_smollm2.json); bankml pools it
+by mean, as `llama-server --embeddings --pooling mean` does, so the OpenAI route serves it.
 """
 
 from __future__ import annotations
@@ -24,5 +25,5 @@ def pooling_of(metadata: dict, arch: str) -> int | None:
 
 
 def resolve_pooling(gguf_pooling: int | None) -> int:
-    """The pooling llama-server `--embeddings` uses for a model: the GGUF's, else (a chat model) mean."""
+    """The pooling bankml uses for a model: the GGUF's, else (a chat model) mean."""
     return POOLING_MEAN if gguf_pooling is None else gguf_pooling
