@@ -76,6 +76,10 @@ class RequestFailed(BankmlError):
     tools/server, e.g. "Failed to parse messages"): kept as a 500 so its clients see what they expect."""
 
 
+class Unauthorized(BankmlError):
+    """The request carries none of the configured API keys (llama-server's 401 "Invalid API Key")."""
+
+
 class ContextExceeded(InvalidRequest):
     """The prompt does not fit in the context (llama-server's exceed_context_size_error)."""
 
@@ -151,6 +155,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     RouteNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
     InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
+    Unauthorized: Codes(401, 401, 401, "authentication_error", EXIT_REFUSED),
     ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),
     NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),

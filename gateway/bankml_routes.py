@@ -23,6 +23,7 @@ def bankml_info(state) -> dict[str, Any]:
     res = state.residency
     last = res.last
     loaded = [r.name for r in res.resident()]
+    access = getattr(state, "access", None)
     return {
         "verified": last.verified.as_dict() if last else None,
         "model": last.path if last else None,
@@ -33,6 +34,12 @@ def bankml_info(state) -> dict[str, Any]:
         "models": res.names,
         "weights": _weights_report(state),
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
+        # a --chat-template-file in force for the startup model (it changes every prompt); null without one
+        "chat_template_sha256": res.chat_template.sha256 if getattr(res, "chat_template", None) else None,
+        "chat_template_file": res.chat_template.path if getattr(res, "chat_template", None) else None,
+        # how many API keys are asked for, never which; the origins admitted besides the server's own
+        "api_keys": len(access.key_digests) if access is not None else 0,
+        "allowed_origins": sorted(access.allowed_origins) if access is not None else [],
     }
 
 
