@@ -90,10 +90,10 @@ def read_key_file(path: str, what: str) -> list[str]:
         raise ConfigInvalid(f"{what} {path}: not UTF-8 text") from None
     keys = []
     for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): a \x0b inside a key is refused, not a line end
+        line = line.removesuffix("\r")  # a CRLF's CR; blanks around a key are refused with it, never guessed away
         bare = line.strip(" \t")
         if bare and not bare.startswith("#"):
-            # only a CRLF's CR goes: blanks around a key are refused with it, never guessed away
-            keys.append(check_key(line.removesuffix("\r"), f"{what} {path} line {n}"))
+            keys.append(check_key(line, f"{what} {path} line {n}"))
     if not keys:
         raise ConfigInvalid(f"{what} {path}: no key in it (one per line; blank lines and # comments are skipped)")
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
