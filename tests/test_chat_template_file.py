@@ -1,0 +1,126 @@
+"""--chat-template-file / [serve] chat_template_file: read once at start, checked (bounded, UTF-8, compiling
+in the Jinja sandbox), in force for the startup model only; its sha256 in /bankml and every receipt.
+
+A template that visibly changes the prompt: /apply-template shows it, and a chat answer's prompt tokens
+count it (the fake engine's tokenizer is one token per UTF-8 byte).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from gateway_helpers import EdgeServer, exchange, registry_dir, request_bytes, split_response, tiny_model
+
+from bankml.cli import main
+from bankml.errors import ConfigInvalid
+from bankml.serve_files import MAX_TEMPLATE_BYTES, read_chat_template
+
+pytestmark = pytest.mark.timeout(120)
+
+TEMPLATE = ("{% for m in messages %}<<{{ m.role | upper }}>> {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<<ASSISTANT>> {% endif %}\n")
+MESSAGES = [{"role": "user", "content": "hi"}]
+RENDERED = "<<USER>> hi\n<<ASSISTANT>> "  # trim_blocks; the template's one trailing newline dropped
+SHA = hashlib.sha256(TEMPLATE.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("template")
+    model, fork = tiny_model(d)
+    registry_dir(d / "forks", ["Other-Model.Q8_0.gguf"])
+    template = d / "template.jinja"
+    template.write_text(TEMPLATE)
+    s = EdgeServer(model, fork, "--chat-template-file", str(template), "--registry", str(d / "forks"))
+    # the file is read once: what it says afterwards never reaches the server
+    template.write_text("{{ raise_exception('re-read') }}")
+    yield s
+    s.stop()
+
+
+def post(server, path: str, doc: dict) -> tuple[int, dict]:
+    status, _, body = split_response(exchange(server.port, request_bytes("POST", path, body=json.dumps(doc).encode())))
+    return status, json.loads(body)
+
+
+def test_apply_template_renders_the_file(server):
+    status, doc = post(server, "/apply-template", {"messages": MESSAGES})
+    assert status == 200 and doc["prompt"] == RENDERED
+
+
+def test_a_chat_answer_is_prompted_with_it_and_its_receipt_names_it(server):
+    status, doc = post(server, "/v1/chat/completions", {"model": "tiny-model.q8_0", "messages": MESSAGES,
+                                                        "max_tokens": 3})
+    assert status == 200
+    assert doc["usage"]["prompt_tokens"] == len(RENDERED.encode())
+    assert doc["bankml_receipt"]["chat_template_sha256"] == SHA
+
+
+def test_bankml_shows_its_sha256(server):
+    status, _, body = split_response(exchange(server.port, request_bytes("GET", "/bankml")))
+    info = json.loads(body)
+    assert status == 200 and info["chat_template_sha256"] == SHA and info["chat_template_file"].endswith(
+        "template.jinja")
+
+
+def test_another_model_of_the_registry_keeps_its_own_template(server):
+    status, doc = post(server, "/v1/chat/completions", {"model": "other-model.q8_0", "messages": MESSAGES,
+                                                        "max_tokens": 3})
+    assert status == 200
+    chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # llama-server's fallback: no GGUF template
+    assert doc["usage"]["prompt_tokens"] == len(chatml.encode())
+    assert "chat_template_sha256" not in doc["bankml_receipt"]
+
+
+def test_ollamas_show_names_the_template_in_force(server):
+    status, doc = post(server, "/api/show", {"model": "tiny-model.q8_0"})
+    assert status == 200 and doc["template"] == TEMPLATE
+
+
+# --- refused at start ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"{% for m in messages %}{{ m.content }}", "syntax error"),
+    (b"\xff\xfe{{ messages }}", "not UTF-8"),
+    (b"  \n", "empty"),
+    (b"x" * (MAX_TEMPLATE_BYTES + 1), "over"),
+])
+def test_a_template_that_cannot_serve_is_refused(tmp_path, content, why):
+    f = tmp_path / "t.jinja"
+    f.write_bytes(content)
+    with pytest.raises(ConfigInvalid, match=why):
+        read_chat_template(str(f), "--chat-template-file")
+
+
+def test_serve_refuses_with_exit_2_before_fetching_a_model(tmp_path, capsys):
+    f = tmp_path / "t.jinja"
+    f.write_text("{% if %}")
+    assert main(["serve", "--native", "--chat-template-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bankml serve: refuse: --chat-template-file") and "syntax error" in err
+    assert main(["serve", "--native", "--chat-template-file", str(tmp_path / "absent")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def test_p0_refuses_it(tmp_path, capsys):
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert main(["serve", "--chat-template-file", str(f), "--upstream", "127.0.0.1:1"]) == 2
+    assert "--native's" in capsys.readouterr().err
+
+
+def test_the_config_key(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[serve]\nchat_template_file = "{tmp_path / "absent"}"\n')
+    assert main(["serve", "--native", "--config", str(cfg)]) == 2
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def test_the_file_sha256_is_of_its_bytes(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_bytes(TEMPLATE.encode())
+    read = read_chat_template(str(f), "--chat-template-file")
+    assert read.text == TEMPLATE and read.sha256 == SHA and read.path == str(f)
