@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 
+import httpx
 import ollama
 import openai
 import pytest
@@ -254,3 +255,29 @@ def test_a_server_without_keys_asks_for_none(tmp_path):
     finally:
         s.stop()
 
+
+
+def test_p0_asks_for_the_keys_too(tmp_path):
+    from p0_helpers import REPLY, Gateway, StandaloneMock, chat_body, sha
+
+    model, fork = tiny_model(tmp_path)
+    mock = StandaloneMock(model)
+    g = None
+    try:
+        g = Gateway(model, fork, "--upstream", mock.address, "--api-key", KEY, "--allow-origin", "http://a.example")
+        assert g.ready, g.log()
+        r = g.post(chat_body())
+        assert r.status_code == 401 and r.json() == LLAMA_401
+        json_type = {"Content-Type": "application/json"}
+        assert httpx.post(g.url("/v1/chat/completions"), content=chat_body(), headers={**json_type, "x-api-key": KEY},
+                          timeout=60).status_code == 200
+        r = httpx.post(g.url("/v1/chat/completions"), content=chat_body(), timeout=60,
+                       headers={**json_type, "Authorization": f"Bearer {KEY}", "Origin": "http://a.example"})
+        assert r.status_code == 200 and r.json()["bankml_receipt"]["response_sha256"] == sha(REPLY)
+        assert r.headers["access-control-allow-origin"] == "http://a.example"
+        status, _, _ = split_response(exchange(g.port, request_bytes("GET", "/health")))
+        assert status == 200
+    finally:
+        if g is not None:
+            g.stop()
+        mock.stop()
