@@ -15,12 +15,15 @@ A listed origin's answers carry `Access-Control-Allow-Origin` (sanic_app.py adds
 included, from `LoopbackProtocol.cors_origin`). No `Access-Control-Allow-Credentials`: a key goes in a
 header the page sets itself, so no cookie or HTTP auth ever needs to cross.
 
-API keys. With any key configured, every route but GET/HEAD of llama-server's public endpoints
-(tools/server/server-http.cpp, `get_public_endpoints`: /health, /v1/health, /models, /v1/models and
-/) needs one: `Authorization: Bearer KEY`, the Authorization value itself (llama-server strips a
-"Bearer " prefix if there is one), or, only when there is no Authorization header, `X-Api-Key: KEY`
-(llama-server's retry for Anthropic's clients). Else 401 in the route's API shape: llama-server's
-`{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}`, Ollama's
+API keys. With any key configured, every request needs one, except those to llama-server's public
+endpoints, matched on the path whatever the method, as llama-server matches them (b11434,
+tools/server/server-http.cpp `get_public_endpoints`, as recorded in tests/fixtures/api_key_smollm2.json:
+/health and /v1/health; /models and /v1/models do need a key in that build), and / (our status page).
+The key goes as `Authorization: Bearer KEY`, or as the Authorization value itself (llama-server strips
+an exact "Bearer " prefix, and only that), or, only when there is no Authorization header, as
+`X-Api-Key: KEY` (llama-server's retry for Anthropic's clients). Else 401 in the route's API shape:
+llama-server's `{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}`
+(every route but /api; an unknown path too: the key is asked for before routing, as there), Ollama's
 `{"error": "Invalid API Key"}` under /api. The candidate is compared with every key in constant time
 (sha256 digests of equal length through hmac.compare_digest, all keys every time), so neither the
 key nor which key is near is told by the time. Preflights need no key (browsers send none).
@@ -38,7 +41,7 @@ from gateway.errors import api_of, error_body
 from gateway.loopback import Head, Refusal
 
 INVALID_KEY = "Invalid API Key"  # llama-server's message, tools/server/server-http.cpp
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
 ORIGIN_REFUSED = ("bankml serve: requests from a web page of another origin are refused (--allow-origin "
                   "admits one)")
 PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (this origin is not in --allow-origin)"
@@ -107,7 +110,7 @@ class Access:
         if not self.key_digests:
             return None
         path = head.target.partition("?")[0]
-        if head.method in ("GET", "HEAD") and path in PUBLIC_PATHS:
+        if path in PUBLIC_PATHS:  # whatever the method: a POST /health is then the route table's 404
             return None
         if self.authorized(head):
             return None
@@ -120,8 +123,7 @@ class Access:
 
     def authorized(self, head: Head) -> bool:
         candidate = head.header("authorization") or head.header("x-api-key") or ""
-        if candidate[:7].lower() == "bearer ":
-            candidate = candidate[7:].lstrip(" ")
+        candidate = candidate.removeprefix("Bearer ")  # exactly llama-server's prefix: "bearer x" is key "bearer x"
         digest = _digest(candidate)
         ok = False
         for key in self.key_digests:  # every key, every time: no early exit tells which one is near

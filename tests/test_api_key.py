@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from pathlib import Path
 
 import httpx
 import ollama
@@ -24,8 +25,8 @@ from gateway.loopback import Head
 
 pytestmark = pytest.mark.timeout(120)
 
-KEY = "sk-this-is-the-secret-key"
-OTHER = "sk-second-key"
+RECORDED = json.loads((Path(__file__).parent / "fixtures" / "api_key_smollm2.json").read_text())
+KEY, OTHER = RECORDED["keys"]  # the keys llama-server was recorded with
 WRONG = "sk-wrong-key-never-logged"
 LLAMA_401 = {"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
 OLLAMA_401 = {"error": "Invalid API Key"}
@@ -58,7 +59,6 @@ def _head(*headers: tuple[str, str], method: str = "POST", target: str = "/compl
 
 @pytest.mark.parametrize("headers", [
     [("Authorization", f"Bearer {KEY}")],
-    [("Authorization", f"bearer {KEY}")],
     [("Authorization", KEY)],  # llama-server compares the value itself when there is no "Bearer " prefix
     [("X-Api-Key", KEY)],
     [("Authorization", ""), ("X-Api-Key", KEY)],  # an empty Authorization: x-api-key is read (llama-server)
@@ -75,6 +75,9 @@ def test_the_header_forms_llama_server_takes(headers):
     [("Authorization", f"Basic {KEY}")],
     [("Authorization", f"Bearer {WRONG}"), ("X-Api-Key", KEY)],  # Authorization wins, as in llama-server
     [("Authorization", f"Bearer {KEY[:-1]}")],
+    [("Authorization", f"bearer {KEY}")],  # llama-server strips "Bearer " exactly (recorded)
+    [("Authorization", f"Bearer  {KEY}")],
+    [("Authorization", f"Bearer {KEY},{OTHER}")],
 ])
 def test_anything_else_is_refused(headers):
     assert not Access.of((KEY, OTHER)).authorized(_head(*headers))
@@ -169,17 +172,39 @@ def test_the_config_key_file_is_read(tmp_path, capsys):
 # --- on the wire ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/health"), ("HEAD", "/health"), ("GET", "/"), ("HEAD", "/"),
-                                          ("GET", "/v1/models")])
+@pytest.mark.parametrize("name", sorted(RECORDED["answers"]))
+def test_llama_servers_recorded_answers(server, name):
+    """Each request recorded against llama-server with the same two keys gets its status (and its 401)."""
+    rec = RECORDED["answers"][name]
+    req = rec["request"]
+    body = json.dumps(req["body"]).encode() if req["body"] is not None else b""
+    status, headers, got = get(server, req["path"], headers=req["headers"], method=req["method"], body=body)
+    if name == "v1_health":  # public there, and not a route of ours: a 404 either way, never a 401
+        assert status == 404
+        return
+    assert status == rec["status"], got
+    if status == 401:
+        assert json.loads(got) == rec["body"] == LLAMA_401
+        assert headers["content-type"] == rec["content_type"]
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/health"), ("HEAD", "/health"), ("GET", "/"), ("HEAD", "/")])
 def test_public_endpoints_need_no_key(server, method, path):
     status, _, body = get(server, path, method=method)
     assert status == 200 and b"error" not in body
 
 
+def test_a_public_path_is_public_whatever_the_method(server):
+    # llama-server matches its public endpoints on the path: POST /health is its route table's 404, not a 401
+    assert get(server, "/health", method="POST", body=b"{}")[0] == 404
+    assert get(server, "/v1/health")[0] == 404  # public in llama-server; not a route of ours
+
+
 @pytest.mark.parametrize("method, path", [("GET", "/props"), ("GET", "/bankml"), ("GET", "/slots"),
                                           ("GET", "/slots?fail_on_no_slot=1"), ("GET", "/metrics"),
                                           ("POST", "/tokenize"), ("POST", "/v1/chat/completions"),
-                                          ("POST", "/health"), ("GET", "/no-such-route")])
+                                          ("GET", "/v1/models"), ("GET", "/no-such-route"),
+                                          ("GET", "/bankml/status")])
 def test_every_other_route_is_401_in_llama_servers_shape(server, method, path):
     status, headers, body = get(server, path, method=method, body=b"{}" if method == "POST" else b"")
     assert status == 401
