@@ -14,8 +14,9 @@ naming the flag (or key) and the reason, which serve prints as `bankml serve: re
   `*`, `null` and wildcards are refused: the loopback rule exists so that no web page can drive this
   server, and `*` would admit every page on the web.
 - the chat template (`--chat-template-file F` / `[serve] chat_template_file`): at most 1 MiB of UTF-8
-  that compiles in the Jinja sandbox (model/chat_template.py); its text and sha256 are kept, and the
-  file is not read again (a later change does not reach the server).
+  that compiles in the Jinja sandbox (model/chat_template.py); its text (as llama-server keeps it: CRLF
+  as LF, one trailing newline dropped) and the sha256 of its bytes are kept, and the file is not read
+  again (a later change does not reach the server).
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def read_chat_template(path: str, what: str) -> ChatTemplateFile:
         raise ConfigInvalid(f"{what} {path}: not UTF-8 (byte {e.start})") from None
     if not text.strip():
         raise ConfigInvalid(f"{what} {path}: empty")
+    # the source as llama-server holds it (and /props shows it, recorded): CRLF as LF, one trailing newline
+    # dropped; rendering drops that newline anyway (model/chat_template.py). The sha256 is of the bytes.
+    text = text.replace("\r\n", "\n").removesuffix("\n")
     try:
         compile_template(text)
     except TemplateError as e:

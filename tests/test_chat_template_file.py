@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 from gateway_helpers import EdgeServer, exchange, registry_dir, request_bytes, split_response, tiny_model
@@ -24,6 +25,7 @@ TEMPLATE = ("{% for m in messages %}<<{{ m.role | upper }}>> {{ m.content }}\n{%
 MESSAGES = [{"role": "user", "content": "hi"}]
 RENDERED = "<<USER>> hi\n<<ASSISTANT>> "  # trim_blocks; the template's one trailing newline dropped
 SHA = hashlib.sha256(TEMPLATE.encode()).hexdigest()
+RECORDED = json.loads((Path(__file__).parent / "fixtures" / "chat_template_file_smollm2.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_another_model_of_the_registry_keeps_its_own_template(server):
 
 def test_ollamas_show_names_the_template_in_force(server):
     status, doc = post(server, "/api/show", {"model": "tiny-model.q8_0"})
-    assert status == 200 and doc["template"] == TEMPLATE
+    assert status == 200 and doc["template"] == TEMPLATE.removesuffix("\n")  # as llama-server keeps it
 
 
 # --- refused at start ---------------------------------------------------------------------------------
@@ -123,4 +125,35 @@ def test_the_file_sha256_is_of_its_bytes(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_bytes(TEMPLATE.encode())
     read = read_chat_template(str(f), "--chat-template-file")
-    assert read.text == TEMPLATE and read.sha256 == SHA and read.path == str(f)
+    assert read.sha256 == SHA and read.path == str(f)
+    # the text as llama-server holds it (its /props, recorded): one trailing newline dropped, CRLF as LF
+    assert read.text == TEMPLATE.removesuffix("\n")
+    f.write_bytes(RECORDED["template"].replace("\n", "\r\n").encode())
+    assert read_chat_template(str(f), "--chat-template-file").text == RECORDED["props_chat_template"]
+
+
+# --- against llama-server's recorded answers (SmolLM2, its real tokenizer) ----------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory, smollm2_path, smollm2_fork):
+    template = tmp_path_factory.mktemp("recorded") / "template.jinja"
+    template.write_text(RECORDED["template"])
+    s = EdgeServer(smollm2_path, smollm2_fork, "--replay", "--ctx", "2048", "--chat-template-file", str(template))
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED["answers"]))
+def test_llama_servers_prompt_and_its_token_count(smollm2, name):
+    rec = RECORDED["answers"][name]
+    status, doc = post(smollm2, "/apply-template", {"messages": rec["messages"]})
+    assert status == 200 and doc["prompt"] == rec["prompt"]
+    # a chat answer's prompt: the template's text, tokenized with special tokens parsed and BOS as the model says
+    status, doc = post(smollm2, "/tokenize", {"content": rec["prompt"], "add_special": True, "parse_special": True})
+    assert status == 200 and len(doc["tokens"]) == rec["prompt_tokens"]
+
+
+def test_the_recorded_template_is_shown_as_llama_server_shows_it(smollm2):
+    status, doc = post(smollm2, "/api/show", {"model": "smollm2-135m-instruct.q4_1"})
+    assert status == 200 and doc["template"] == RECORDED["props_chat_template"]
