@@ -157,3 +157,31 @@ def test_llama_servers_prompt_and_its_token_count(smollm2, name):
 def test_the_recorded_template_is_shown_as_llama_server_shows_it(smollm2):
     status, doc = post(smollm2, "/api/show", {"model": "smollm2-135m-instruct.q4_1"})
     assert status == 200 and doc["template"] == RECORDED["props_chat_template"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_real_engine_answers_with_it_behind_a_key(tmp_path, bankml_cmd, smollm2_path, smollm2_fork):
+    """End to end on SmolLM2 through the installed command: --api-key and --chat-template-file together;
+    the openai client's answer counts llama-server's recorded prompt tokens, and its receipt names the file."""
+    import openai
+    from gateway_helpers import CliServer
+
+    template = tmp_path / "template.jinja"
+    template.write_text(RECORDED["template"])
+    key = "sk-real-engine"
+    s = CliServer(bankml_cmd, str(smollm2_path), "--fork", str(smollm2_fork), "--ctx", "512", "--config", "cpu",
+                  "--api-key", key, "--chat-template-file", str(template))
+    try:
+        rec = RECORDED["answers"]["hi"]
+        client = openai.OpenAI(base_url=s.url("/v1"), api_key=key, max_retries=0, timeout=300)
+        raw = client.chat.completions.with_raw_response.create(model="smollm2-135m-instruct.q4_1",
+                                                               messages=rec["messages"], max_tokens=4,
+                                                               temperature=0)
+        doc = json.loads(raw.text)
+        assert doc["usage"]["prompt_tokens"] == rec["prompt_tokens"]
+        assert doc["bankml_receipt"]["chat_template_sha256"] == hashlib.sha256(template.read_bytes()).hexdigest()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url("/v1"), api_key="sk-other", max_retries=0).models.list()
+    finally:
+        s.stop()
