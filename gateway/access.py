@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from bankml.errors import Unauthorized
 from gateway.errors import api_of, error_body
+from gateway.loopback import PREFLIGHT_REFUSED as NO_ORIGINS_LISTED
 from gateway.loopback import Head, Refusal
 
 INVALID_KEY = "Invalid API Key"  # llama-server's message, tools/server/server-http.cpp
@@ -85,7 +86,9 @@ class Access:
         """Rule 3: a preflight is answered here (204 or 403); another request from a foreign origin is 403."""
         origin = head.header("origin")
         if head.method == "OPTIONS":
-            return self._preflight(head) if self.listed(head) else Refusal(403, PREFLIGHT_REFUSED)
+            if self.listed(head):
+                return self._preflight(head)
+            return Refusal(403, PREFLIGHT_REFUSED if self.allowed_origins else NO_ORIGINS_LISTED)
         if origin is None or self.listed(head) or own_origin(origin, port):
             return None
         return Refusal(403, ORIGIN_REFUSED)

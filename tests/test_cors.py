@@ -146,7 +146,8 @@ def test_without_allowed_origins_every_preflight_is_403(tmp_path):
     model, fork = tiny_model(tmp_path)
     s = EdgeServer(model, fork)
     try:
-        assert ask(s, "OPTIONS", "/v1/chat/completions", preflight(APP))[0] == 403
+        status, _, body = ask(s, "OPTIONS", "/v1/chat/completions", preflight(APP))
+        assert (status, body) == (403, b"bankml serve: cross-origin requests are refused (no --allow-origin)")
         assert ask(s, "GET", "/bankml", {"Origin": APP})[0] == 403
         assert ask(s, "GET", "/bankml", {"Origin": f"http://localhost:{s.port}"})[0] == 200
     finally:
