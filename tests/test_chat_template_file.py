@@ -185,3 +185,29 @@ def test_the_real_engine_answers_with_it_behind_a_key(tmp_path, bankml_cmd, smol
             openai.OpenAI(base_url=s.url("/v1"), api_key="sk-other", max_retries=0).models.list()
     finally:
         s.stop()
+
+
+def test_a_broken_gguf_template_is_served_with_a_file_that_replaces_it(tmp_path, monkeypatch):
+    """The reason for the flag: a GGUF whose own template does not compile is refused at start, and
+    served once --chat-template-file replaces it."""
+    import gguf
+
+    add_pre = gguf.GGUFWriter.add_tokenizer_pre
+
+    def with_broken_template(self, pre):
+        add_pre(self, pre)
+        self.add_chat_template("{% for m in messages %}{{ m.content }}")  # no endfor
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre", with_broken_template)
+    model, fork = tiny_model(tmp_path)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="refuse: .*syntax error"):  # the server did not start: why
+        EdgeServer(model, fork, timeout_s=30)
+    template = tmp_path / "fixed.jinja"
+    template.write_text(TEMPLATE)
+    s = EdgeServer(model, fork, "--chat-template-file", str(template))
+    try:
+        status, doc = post(s, "/apply-template", {"messages": MESSAGES})
+        assert status == 200 and doc["prompt"] == RENDERED
+    finally:
+        s.stop()
