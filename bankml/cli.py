@@ -196,7 +196,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "$BANKML_FORKS, else ~/.local/share/bankml/forks)")
     p.add_argument("--api-key", metavar="KEY", action="append", dest="api_keys",
                    help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health, "
-                        "/models and / (repeatable: any of the keys; a 401 otherwise; `ps` shows it: prefer --api-key-file)")
+                        "/v1/health and / (repeatable: any of the keys; a 401 otherwise; `ps` shows it: prefer --api-key-file)")
     p.add_argument("--api-key-file", metavar="F",
                    help="API keys, one per line (# comments and blank lines skipped; [serve] api_key_file); "
                         "a file others may read is a warning")

@@ -38,7 +38,7 @@ class ServeConfig:
     spec_ngram: bool = False  # P0: --spec-type ngram-simple
     slot_dir: str = ""  # P0: llama-server's --slot-save-path ("" = none); --native has no slot files yet
     shutdown_grace_s: float = 10.0  # SIGTERM/SIGINT: answers in flight get this long to finish, then end
-    # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /models and /
+    # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /v1/health and /
     # then needs `Authorization: Bearer KEY` or `x-api-key: KEY` (bankml/serve_files.py reads it)
     api_key_file: str = ""
     # browser origins admitted besides the server's own (scheme://host[:port]; --allow-origin O,...)

@@ -170,7 +170,7 @@ def native_monitoring(state: GatewayState) -> Monitoring:
 def _log_edge(options: ServeOptions) -> None:
     """What the edge admits, said once at start (a key itself never: its count only)."""
     if options.api_keys:
-        log.info("API keys: %d; every route but /health, /models and / needs one", len(options.api_keys))
+        log.info("API keys: %d; every route but /health, /v1/health and / needs one", len(options.api_keys))
     if options.allowed_origins:
         log.info("browser origins admitted: %s", ", ".join(options.allowed_origins))
     if options.chat_template:
