@@ -11,7 +11,8 @@ Checks, in the Rust bankml's order (its serve.rs):
    with no port or one of ASCII digits (a missing Host counts) -> 403;
 3. the Origin rule (access.py): a preflight (OPTIONS) from an origin --allow-origin lists -> 204 with
    the CORS headers, any other OPTIONS -> 403; any other request whose Origin is neither the server's
-   own nor listed -> 403 (what a non-preflight request with a foreign Origin gets: Ollama's answer).
+   own nor listed -> 403 (what a non-preflight request with a foreign Origin gets: Ollama's answer; a
+   page could not read the answer anyway, and a request not served has no side effect either).
    The server's own origin is http://127.0.0.1, localhost or [::1] at the port the request came in on
    (the status page at GET / fetches from it); a request without Origin is not a browser's;
 4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
@@ -22,9 +23,9 @@ Checks, in the Rust bankml's order (its serve.rs):
 8. with API keys (--api-key, [serve] api_key_file), a request that needs one and has none of them ->
    401 in its API's JSON shape (access.py), before its body is read.
 
-Refusals are text/plain (the 401 JSON, the preflight's 204 empty) with `Connection: close`. Each is written at once, then what the client sent
-is read and discarded (its announced body, or until it pauses for 50 ms) for at most 200 ms before the
-socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
+Refusals are text/plain (the 401 JSON, the preflight's 204 empty) with `Connection: close`. Each is
+written at once, then what the client sent is read and discarded (its announced body, or until it
+pauses for 50 ms) for at most 200 ms before the socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
 byte while a request is read (head and body), 120 s blocked on a write; and, since a client that sends
 a byte now and then is never silent, a head not complete within 10 s, a body that after a 10 s grace
 comes slower than 1 KiB/s on average, or a body not complete within 60 s, is answered 408.
