@@ -1,14 +1,17 @@
 """llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
 
 They name no model: they use the most recently used resident one, or verify and load the startup
-model (kept forever). `/health` and `/v1/models` never load; `/health` is 503 with the reason while
-the startup model is unusable (its file changed and does not verify again, or it failed to load) or
-the engine thread of the model it reports is gone, so a balancer routes away. `/v1/models` lists
-every pin of the registry. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
-otherwise stall every other client), on a thread of their own: a burst of /tokenize calls queues
-behind itself, never in front of the chat answers, which use the loop's default pool. `/slots` is
-the current model's scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of
-them), in llama-server's shape.
+model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; `/health` is 503 with
+the reason while the startup model is unusable (its file changed and does not verify again, or it
+failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
+`/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
+b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` reads a chat body as
+/v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
+MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
+calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
+`/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
+max_seqs` of them), in llama-server's shape. The routes of llama-server we do not serve are refused
+by name in llama_refusals.py.
 """
 
 from __future__ import annotations
