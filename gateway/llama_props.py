@@ -14,10 +14,12 @@
 - `endpoint_slots` true (GET /slots is served), `endpoint_metrics` true (GET /metrics is ours,
   Prometheus), `endpoint_props` false (POST /props is refused, as llama-server without --props).
 
-Left out, because we cannot fill them truthfully: `chat_template_caps` (llama.cpp traces its own
-Jinja interpreter over probe conversations to find them; Jinja2 cannot tell us the same), and
-`media_marker` (this server takes no media, so no marker means anything in a prompt). Kept beside
-llama-server's: `n_ctx` at the top (bankml's /props always had it).
+- `chat_template_caps`: found as llama.cpp finds them (gateway/template_caps.py), for the tool-use
+  template when there is one (common_chat_templates_get_caps takes the more expressive one).
+
+Left out, because we cannot fill it truthfully: `media_marker` (this server takes no media, so no
+marker means anything in a prompt). Kept beside llama-server's: `n_ctx` at the top (bankml's /props
+always had it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from bankml import __version__
 from gateway.json_values import f32
+from gateway.template_caps import template_caps
 from model.chat_template import CHATML_TEMPLATE
 from model.messages import SamplingParams
 from model.tokenizer_gguf import gguf_fields
@@ -123,6 +126,7 @@ def props_json(loaded: Any) -> dict[str, Any]:
     m = loaded.model
     tok = m.tokenizer
     ftype, tool_use = _header_fields(loaded.path, loaded.identity)
+    template = m.chat_template or CHATML_TEMPLATE
     out: dict[str, Any] = {
         "default_generation_settings": {"params": default_params(m.defaults), "n_ctx": m.n_ctx},
         "total_slots": _max_seqs(loaded),
@@ -136,11 +140,13 @@ def props_json(loaded: Any) -> dict[str, Any]:
         "endpoint_metrics": True,
         "ui": False,
         "ui_settings": {},
-        "chat_template": m.chat_template or CHATML_TEMPLATE,
+        "chat_template": template,
     }
     if m.chat_template_sha256 is not None:
         out["chat_template_sha256"] = m.chat_template_sha256
     out.update({
+        "chat_template_caps": template_caps(tool_use if tool_use is not None and m.chat_template_sha256 is None
+                                            else template),
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,
         "build_info": f"bankML {__version__} native",

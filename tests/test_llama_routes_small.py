@@ -17,6 +17,7 @@ from gateway_helpers import FakeServer, tiny_model
 
 from bankml import __version__
 from gateway.llama_props import ftype_name
+from gateway.template_caps import template_caps
 from model.chat_template import CHATML_TEMPLATE
 
 DATA = json.loads((Path(__file__).parent / "fixtures" / "llama_small_smollm2.json").read_text())
@@ -87,12 +88,12 @@ def test_props_has_llama_servers_fields_filled_from_this_server(server, smollm2_
         r = send(server, "GET", "/props", upstream=upstream)
         assert r.status_code == 200
         ours = r.json()
-        # every field llama-server sends, but the two we cannot fill truthfully (llama_props.py says why)
-        assert set(theirs) - set(ours) == {"chat_template_caps", "media_marker"}
+        # every field llama-server sends, but the one we cannot fill truthfully (llama_props.py says why)
+        assert set(theirs) - set(ours) == {"media_marker"}
         assert set(ours) - set(theirs) == {"n_ctx"}
         assert ours["default_generation_settings"] == theirs["default_generation_settings"]  # same defaults, n_ctx
         same = ("model_ftype", "modalities", "endpoint_slots", "endpoint_props", "ui", "ui_settings",
-                "chat_template", "bos_token", "eos_token", "is_sleeping", "cors_proxy_enabled", "total_slots")
+                "chat_template", "chat_template_caps", "bos_token", "eos_token", "is_sleeping", "cors_proxy_enabled", "total_slots")
         assert {k: ours[k] for k in same} == {k: theirs[k] for k in same}
         assert ours["model_path"] == str(smollm2_path.resolve()) and ours["n_ctx"] == 2048
         assert ours["model_alias"] == smollm2_path.name  # the name our answers carry as "model"
@@ -111,6 +112,13 @@ def test_props_reports_the_engines_slots(tmp_path):
     assert props["total_slots"] == 3
     assert props["chat_template"] == CHATML_TEMPLATE  # the tiny GGUF has none: llama-server's fallback
     assert props["default_generation_settings"]["params"]["seed"] == 4294967295
+
+
+@pytest.mark.parametrize("name", list(DATA["template_caps"]))
+def test_template_caps_are_llama_servers(name):
+    """Each small template's caps, as llama-server's /props reported them with it as --chat-template-file."""
+    rec = DATA["template_caps"][name]
+    assert template_caps(rec["template"]) == rec["caps"]
 
 
 def test_ftype_names_are_llama_cpps():
@@ -155,3 +163,19 @@ def test_llama_server_routes_we_do_not_serve_are_refused_by_name(server, method,
 
 def test_an_unknown_route_is_still_a_404(server):
     assert send(server, "GET", "/nonexistent").status_code == 404
+
+
+def test_template_caps_of_llama_cpps_own_templates():
+    """llama.cpp's models/templates (71 templates, b11434), where LLAMA_CPP_TEMPLATES names that folder:
+    each one's caps as llama-server reported them (tests/fixtures/template_caps_llama_cpp.json)."""
+    import hashlib
+    import os
+
+    folder = os.environ.get("LLAMA_CPP_TEMPLATES")
+    if not folder:
+        pytest.skip("LLAMA_CPP_TEMPLATES (llama.cpp's models/templates) is not set")
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "template_caps_llama_cpp.json").read_text())
+    for name, rec in recorded["templates"].items():
+        data = (Path(folder) / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == rec["sha256"], name
+        assert template_caps(data.decode()) == rec["caps"], name
