@@ -36,9 +36,7 @@ LORA_CHANGE = refusal("bankml serve --native loads no LoRA adapters: there are n
 ANTHROPIC = refusal("bankml serve --native does not serve Anthropic's Messages API (/v1/messages) yet: "
                     "use /v1/chat/completions")
 RESPONSES = refusal("bankml serve --native does not serve OpenAI's Responses API (/v1/responses) yet: "
-                    "use /v1/chat/completions")
-TOKEN_COUNT = refusal("bankml serve --native does not serve token counting (input_tokens) yet: "
-                      "POST /apply-template, then /tokenize, counts a conversation's prompt")
+                    "use /v1/chat/completions (/v1/chat/completions/input_tokens counts a prompt)")
 CONTROL = refusal("bankml serve --native does not serve /v1/chat/completions/control: a running "
                   "completion is stopped by closing its connection")
 TRANSCRIPTIONS = refusal("The current model does not support audio input.")  # llama-server's words, true here

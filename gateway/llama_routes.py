@@ -97,6 +97,19 @@ async def apply_template(request, state):
     return json_response(jstr.dumps({"prompt": prompt}))
 
 
+async def count_tokens(request, state):
+    """llama-server's `POST /v1/chat/completions/input_tokens` (handle_count_tokens): the chat body's
+    prompt, templated as /apply-template makes it and tokenized with BOS and special tokens, counted."""
+    req = await _off_loop(parse_body, request.body)
+    _, messages = await _off_loop(openai_layer, req)
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    loaded = await state.residency.current()
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
+    tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
+    return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
+
+
 def refuse_template_changes(req: dict, messages: list[dict]) -> None:
     """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
     if has_tools(req):

@@ -137,6 +137,15 @@ def test_routes_answered_as_llama_server_answers_them(server, method, path):
         same_answer(send(server, method, path, rec["request"], upstream), rec)
 
 
+def test_chat_token_counts_are_llama_servers(server):
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        rec = RECORDED[("POST", path)]
+        for upstream in (False, True):
+            same_answer(send(server, "POST", path, rec["request"], upstream), rec)
+    r = send(server, "POST", "/v1/chat/completions/input_tokens", {"messages": [], "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and "'tools'" in r.json()["error"]["message"]
+
+
 def test_post_props_is_refused_whatever_the_body(server):
     bodies = [r for r in DATA["other_routes"] if r["path"] == "/props"]
     assert len(bodies) == 3
@@ -148,7 +157,6 @@ def test_post_props_is_refused_whatever_the_body(server):
     ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
     ("POST", "/lora-adapters"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
     ("POST", "/v1/responses"), ("POST", "/responses"), ("POST", "/v1/responses/input_tokens"),
-    ("POST", "/v1/chat/completions/input_tokens"), ("POST", "/chat/completions/input_tokens"),
     ("POST", "/v1/chat/completions/control"), ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/systemone"),
     ("GET", "/v1/stream"), ("POST", "/v1/streams/lookup"),
 ])
