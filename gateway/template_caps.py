@@ -12,6 +12,7 @@ caps.cpp's, in its order.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from typing import Any
@@ -64,8 +65,11 @@ class TDict(dict):
         return super().__iter__()
 
 
-class _State:
+class _Looping(threading.local):
     looping = True  # False while a filter runs (its own iteration is not the template's loop)
+
+
+_State = _Looping()
 
 
 def track(v: Any) -> Any:
@@ -134,7 +138,7 @@ class _TrackingEnvironment(ct._Environment):
             _op(obj, str(key))
             return
         _mark(value)
-        if isinstance(key, bool) or isinstance(key, int):
+        if isinstance(key, int):  # a bool too, as llama.cpp
             _op(obj, "array_access")
         else:
             _op(obj, "object_access")
