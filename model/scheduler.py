@@ -331,6 +331,7 @@ class Scheduler:
 
     def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
         out = seq.completion.push(token, logprob, top)
+        out.id_slot = seq.slot  # llama-server's `id_slot` in /completion's answer: the slot that decoded it
         if out.finish_reason is not None:
             self._leave(seq)
         else:

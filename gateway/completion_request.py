@@ -1,0 +1,153 @@
+"""`POST /completion`, `/v1/completions` (and `/completions`), `/infill`: the body read as llama-server
+reads it, before any model work, and the prompt's tokens once the model is held.
+
+`parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):
+1. the JSON (chat_request.parse_body: nlohmann's parse errors);
+2. for the OpenAI routes, `oaicompat_completion_params_parse` (tools/server/server-common.cpp):
+   `prompt` required, `stop` as a string or an array, `echo` and `suffix`/`best_of` refused in its
+   words, then every other key passed through (`n_predict` over `max_tokens`);
+3. llama-server's field table and sampler set-up (request_fields.read_fields), `n` read up to
+   `N_UNBOUNDED` here and against the engine's sequences once the model is held (`check_n`, the
+   table's own `Field 'n': Value must be between 1 <= value <= N` with N = `[engine] max_seqs`,
+   llama-server's n_parallel);
+4. ours (chat_request.refuse_unsupported, the same refusals as a chat), less the two this route
+   honours: `timings_per_token` (every output carries the engine thread's timeline) and
+   `return_tokens`.
+
+`prompt_tokens(model, prompt)` is `tokenize_input_prompts` (server-common.cpp): a string, a list of
+token ids, a list mixing both (the strings tokenized, special tokens parsed, BOS only before the
+first element), or a list of those (each its own sequence); then every id is checked against the
+vocabulary, as llama-server's `server_tokens::validate` does when the task starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from bankml.errors import InvalidRequest
+from gateway.chat_request import failed, refuse_unsupported
+from gateway.json_values import get_bool, json_value
+from gateway.request_fields import I32_MAX, read_fields
+from model.messages import SamplingParams
+
+N_UNBOUNDED = I32_MAX
+_SAMPLING = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: Any  # the request's `prompt`, tokenized once the model is held (`prompt_tokens`)
+    stream: bool
+    params: SamplingParams
+    n: int  # sequences per prompt (llama-server's n_cmpl)
+    return_tokens: bool
+    timings_per_token: bool
+    include_usage: bool
+    response_fields: list | None
+    raw: dict  # the request after the OpenAI layer, for /infill's own fields
+
+
+def oai_layer(body: Any) -> dict:
+    """oaicompat_completion_params_parse: llama-server's params from an OpenAI completions body."""
+    if not isinstance(body, dict) or "prompt" not in body:
+        raise failed('"prompt" is required')
+    params: dict[str, Any] = {}
+    stop = body.get("stop")
+    params["stop"] = [stop] if isinstance(stop, str) else json_value(body, "stop", [])
+    if json_value(body, "echo", False, get_bool):
+        raise failed("Only no echo is supported")
+    for name in ("best_of", "suffix"):
+        if name in body:
+            raise failed(f"Unsupported param: {name}")
+    for key, value in body.items():
+        if key not in params or key == "n_predict":
+            params[key] = value
+    return params
+
+
+def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> CompletionRequest:
+    """The request checked as llama-server checks it, then against what this engine does."""
+    if oai:
+        doc = oai_layer(doc)
+    elif not isinstance(doc, dict):
+        raise InvalidRequest("body is not a JSON object")
+    elif "prompt" not in doc:
+        # data.at("prompt") on a body without one: nlohmann's out_of_range, llama-server's 400
+        raise InvalidRequest("[json.exception.out_of_range.403] key 'prompt' not found")
+    p = read_fields(doc, defaults, n_max=N_UNBOUNDED)
+    timings_per_token = bool(p.get("timings_per_token"))
+    p["timings_per_token"] = False  # honoured here (refuse_unsupported refuses it for the rest)
+    refuse_unsupported(p, doc, [])
+    sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
+    fields_ = p.get("response_fields")
+    return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
+                             timings_per_token, bool(p["include_usage"]),
+                             fields_ if isinstance(fields_, list) and fields_ else None, doc)
+
+
+def check_n(n: int, n_parallel: int) -> None:
+    """llama-server's hard limit on n_cmpl, 1..n_parallel (server-schema.cpp), against this engine's sequences."""
+    if not 1 <= n <= n_parallel:
+        raise InvalidRequest(f"Field 'n': Value must be between 1 <= value <= {n_parallel}, but got {n}")
+
+
+# --- the prompt's tokens ---------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _all_ints(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(e) for e in v)
+
+
+def _mixed(v: Any) -> bool:
+    """json_is_array_of_mixed_numbers_strings: a list of ids and strings, with at least one of each."""
+    return (isinstance(v, list) and all(_is_int(e) or isinstance(e, str) for e in v)
+            and any(_is_int(e) for e in v) and any(isinstance(e, str) for e in v))
+
+
+def _tokenize_mixed(model, v: Any) -> list[int]:
+    if isinstance(v, str):
+        return model.tokenize(v, True, True)
+    out: list[int] = []
+    for i, e in enumerate(v):
+        out += model.tokenize(e, i == 0, True) if isinstance(e, str) else [e]
+    return out
+
+
+def prompt_tokens(model, prompt: Any) -> list[list[int]]:
+    """tokenize_input_prompts(vocab, prompt, add_special=true, parse_special=true), each id checked."""
+    if isinstance(prompt, str) or _mixed(prompt):
+        prompts = [_tokenize_mixed(model, prompt)]
+    elif _all_ints(prompt) and prompt:
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt:
+        prompts = []
+        for p in prompt:
+            if isinstance(p, str) or _mixed(p):
+                prompts.append(_tokenize_mixed(model, p))
+            elif _all_ints(p):
+                prompts.append(list(p))
+            else:
+                raise InvalidRequest('element of "prompt" must be a string, an list of tokens, or a list of '
+                                     "mixed strings & tokens")
+    elif isinstance(prompt, list):
+        raise InvalidRequest('"prompt" must not be empty')
+    else:
+        raise InvalidRequest('"prompt" must be a string, an list of tokens, a list of mixed strings & tokens, '
+                             "or a list of prompts")
+    n_vocab = vocab_size(model)
+    for ids in prompts:
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        if n_vocab is not None and any(not 0 <= t < n_vocab for t in ids):
+            raise InvalidRequest("Prompt contains invalid tokens")
+    return prompts
+
+
+def vocab_size(model) -> int | None:
+    n = getattr(model.tokenizer, "n_vocab", None)
+    return int(n) if n is not None else None

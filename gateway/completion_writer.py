@@ -1,0 +1,114 @@
+"""The completion answers written as llama-server writes them (tools/server/server-task.cpp).
+
+- `/completion` (`to_json_non_oaicompat`): one object per sequence, `{"index", "content", "tokens",
+  "id_slot", "stop": true, "model", "tokens_predicted", "tokens_evaluated", "generation_settings",
+  "prompt", "has_new_line", "truncated", "stop_type", "stopping_word", "tokens_cached", "timings",
+  ["completion_probabilities"]}` (a list of them for a list of prompts or `n` > 1), cut to
+  `response_fields` when asked (`json_get_nested_values`: a path `a/b` names a nested key, and the
+  answer keys it by the whole path). Streamed, one event per token, `{"index", "content", "tokens",
+  "stop": false, "id_slot", "tokens_predicted", "tokens_evaluated", ["timings"],
+  ["completion_probabilities"]}`, then the final object with the stream's empty `content`; no
+  `[DONE]` (llama-server sends none on this route).
+- `/v1/completions` (`to_json_oaicompat`): `{"choices": [{"text", "index", "logprobs", "finish_reason"}],
+  "created", "model", "system_fingerprint", "object": "text_completion", "usage", "id", "timings"}`;
+  streamed, the same shape per token with `finish_reason` null and `timings` only when asked
+  (timings_per_token), then the final chunk, then `[DONE]`.
+Every answer carries `bankml_receipt`: a key of each answer object, or (streamed) an event of its own
+after the sequence's last one, `{"index", "bankml_receipt"}` (`"choices": []` too on the OpenAI route).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.openai_chat import SYSTEM_FINGERPRINT, timings
+from gateway.openai_chat import _event as event
+from model.messages import StepOutput
+
+__all__ = ["event", "nested_values", "llama_final", "llama_partial", "oai_choice", "oai_body", "oai_chunk"]
+
+
+def nested_values(paths: list, obj: dict) -> dict:
+    """json_get_nested_values (server-common.cpp): each path's value, keyed by the path, where it exists."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        if not isinstance(path, str):
+            continue
+        node: Any = obj
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
+
+
+def llama_partial(index: int, out: StepOutput, *, with_timings: bool, entries: list[dict] | None) -> dict:
+    res: dict[str, Any] = {
+        "index": index,
+        "content": out.text,
+        "tokens": [out.token] if out.token is not None else [],
+        "stop": False,
+        "id_slot": out.id_slot,
+        "tokens_predicted": out.completion_tokens,
+        "tokens_evaluated": out.prompt_tokens,
+    }
+    if with_timings:
+        res["timings"] = timings(out)
+    if entries:
+        res["completion_probabilities"] = entries
+    return res
+
+
+def llama_final(index: int, last: StepOutput, *, content: str, tokens: list[int], model: str, settings: dict,
+                prompt: str, has_new_line: bool, entries: list[dict] | None) -> dict:
+    res: dict[str, Any] = {
+        "index": index,
+        "content": content,
+        "tokens": tokens,
+        "id_slot": last.id_slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": last.completion_tokens,
+        "tokens_evaluated": last.prompt_tokens,
+        "generation_settings": settings,
+        "prompt": prompt,
+        "has_new_line": has_new_line,
+        "truncated": last.truncated,
+        "stop_type": last.stop_type,
+        "stopping_word": last.stopping_word,
+        "tokens_cached": last.cached_tokens,
+        "timings": timings(last),
+    }
+    if entries:
+        res["completion_probabilities"] = entries
+    return res
+
+
+def _finish_reason(last: StepOutput) -> str:
+    return "stop" if last.stop_type in ("eos", "word") else "length"
+
+
+def oai_choice(index: int, text: str, last: StepOutput | None, entries: list[dict] | None) -> dict:
+    return {"text": text, "index": index, "logprobs": {"content": entries} if entries else None,
+            "finish_reason": _finish_reason(last) if last is not None else None}
+
+
+def oai_usage(lasts: list[StepOutput]) -> dict:
+    completion = sum(o.completion_tokens for o in lasts)
+    prompt = sum(o.prompt_tokens for o in lasts)
+    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": completion + prompt}
+
+
+def oai_body(cmpl_id: str, created: int, model: str, choices: list[dict], lasts: list[StepOutput]) -> dict:
+    return {"choices": choices, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": "text_completion", "usage": oai_usage(lasts), "id": cmpl_id, "timings": timings(lasts[-1])}
+
+
+def oai_chunk(cmpl_id: str, created: int, model: str, choice: dict, timed: StepOutput | None) -> dict:
+    res: dict[str, Any] = {"choices": [choice], "created": created, "model": model,
+                           "system_fingerprint": SYSTEM_FINGERPRINT, "object": "text_completion", "id": cmpl_id}
+    if timed is not None:
+        res["timings"] = timings(timed)
+    return res
