@@ -84,6 +84,11 @@ class NotSupported(InvalidRequest):
     """A request asks for something bankml cannot honour yet; refused by name, never ignored."""
 
 
+class NotServed(BankmlError):
+    """llama-server's not_supported_error (501): an endpoint or feature this server or model does not
+    offer (POST /props without --props, /infill on a model without FIM tokens, /reranking...)."""
+
+
 # --- the backend ----------------------------------------------------------------------------------
 
 
@@ -153,6 +158,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
     ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),
     NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    NotServed: Codes(501, 501, 501, "not_supported_error", EXIT_UNREADABLE),
     EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
     EngineGone: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     Overloaded: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
