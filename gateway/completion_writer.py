@@ -87,7 +87,8 @@ def llama_final(index: int, last: StepOutput, *, content: str, tokens: list[int]
 
 
 def _finish_reason(last: StepOutput) -> str:
-    return "stop" if last.stop_type in ("eos", "word") else "length"
+    # llama-server: "stop" for an end-of-generation token or a stop word, else "length"
+    return last.finish_reason.value if last.finish_reason is not None else "length"
 
 
 def oai_choice(index: int, text: str, last: StepOutput | None, entries: list[dict] | None) -> dict:
