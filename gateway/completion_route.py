@@ -155,8 +155,7 @@ def _entry(out: StepOutput) -> dict:
     return logprob_entry(out.logprobs)
 
 
-def _receipt(loaded, body: bytes, text: str, last: StepOutput, entries: list[dict]) -> dict:
-    tally = Tally.start(body)
+def _receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
     tally.sent(text)
     if entries:
         tally.logprobs(entries)
@@ -165,28 +164,29 @@ def _receipt(loaded, body: bytes, text: str, last: StepOutput, entries: list[dic
 
 
 async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes, monitored):
+    tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
     done: list[Finished] = await whole(loaded, requests, _entry if a.req.params.n_probs > 0 else None)
     for f in done:
         monitored.record(_stem(loaded), f.last)
     n = a.req.n
     if a.kind is Kind.OAI:
         choices = []
-        for i, f in enumerate(done):
-            choice = w.oai_choice(i, f.text, f.last, f.entries)
-            choice["bankml_receipt"] = _receipt(loaded, body, f.text, f.last, f.entries)
+        for j, f in enumerate(done):
+            choice = w.oai_choice(j, f.text, f.last, f.entries)
+            choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
             choices.append(choice)
         res = w.oai_body(a.id, a.created, a.model, choices, [f.last for f in done])
         if len(done) == 1:  # one answer: its receipt where every /v1 answer has it
             res["bankml_receipt"] = choices[0].pop("bankml_receipt")
         return json_response(jstr.dumps(res))
     objs = []
-    for i, f in enumerate(done):
-        obj = w.llama_final(i, f.last, content=f.text, tokens=f.tokens if a.req.return_tokens else [],
-                            model=a.model, settings=a.settings, prompt=texts[i // n], has_new_line=f.has_new_line,
+    for j, f in enumerate(done):
+        obj = w.llama_final(j, f.last, content=f.text, tokens=f.tokens if a.req.return_tokens else [],
+                            model=a.model, settings=a.settings, prompt=texts[j // n], has_new_line=f.has_new_line,
                             entries=f.entries)
         if a.req.response_fields:
             obj = w.nested_values(a.req.response_fields, obj)
-        obj["bankml_receipt"] = _receipt(loaded, body, f.text, f.last, f.entries)
+        obj["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
         objs.append(obj)
     return json_response(jstr.dumps(objs[0] if len(objs) == 1 else objs))
 
