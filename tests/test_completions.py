@@ -1,0 +1,298 @@
+"""/completion, /v1/completions, /completions, /infill, the aliases, and chat's `n` and
+timings_per_token, over the fake engine: shapes and key order as llama-server writes them, statuses and
+messages, receipts, the SSE events. The real model's answers against llama-server's recording are in
+tests/test_completions_smollm2.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import httpx
+import openai
+import pytest
+from fake_engine import REPLY, REPLY_PIECES
+from gateway_helpers import FakeServer, tiny_model
+
+from bankml.errors import InvalidRequest
+from gateway.completion_request import parse_completion, prompt_tokens
+from gateway.completion_writer import nested_values
+from model.messages import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+HI = [{"role": "user", "content": "Say hello."}]
+# llama-server's /completion answer, in its order (server-task.cpp to_json_non_oaicompat)
+FINAL_KEYS = ["index", "content", "tokens", "id_slot", "stop", "model", "tokens_predicted", "tokens_evaluated",
+              "generation_settings", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word",
+              "tokens_cached", "timings"]
+PARTIAL_KEYS = ["index", "content", "tokens", "stop", "id_slot", "tokens_predicted", "tokens_evaluated"]
+OAI_KEYS = ["choices", "created", "model", "system_fingerprint", "object", "usage", "id", "timings"]
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = FakeServer(*tiny_model(tmp_path_factory.mktemp("cmpl")), engine={"max_seqs": 2})
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body) -> httpx.Response:
+    content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    return httpx.post(server.url(path), content=content, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def events(text: str) -> list:
+    out = []
+    for block in text.split("\n\n"):
+        if block.strip():
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# --- /completion ---------------------------------------------------------------------------------
+
+
+def test_completion_answers_in_llama_servers_shape_with_a_receipt(server):
+    r = post(server, "/completion", {"prompt": "hi", "n_predict": 3})
+    assert r.status_code == 200
+    body = r.json()
+    assert list(body) == [*FINAL_KEYS, "bankml_receipt"]
+    assert body["content"] == "".join(REPLY_PIECES[:3]) and body["tokens"] == []
+    assert (body["stop"], body["tokens_predicted"], body["tokens_evaluated"]) == (True, 3, 2)
+    assert body["prompt"] == "hi" and body["model"] == "Tiny-Model.Q8_0.gguf"
+    assert body["generation_settings"]["n_predict"] == 3 and body["generation_settings"]["seed"] == 4294967295
+    assert body["timings"]["predicted_n"] == 3 and body["timings"]["prompt_n"] == 2
+    assert body["bankml_receipt"]["response_sha256"] == sha(body["content"])
+
+
+def test_return_tokens_gives_the_generated_ids(server):
+    body = post(server, "/completion", {"prompt": "hi", "n_predict": 2, "return_tokens": True}).json()
+    assert body["tokens"] == [1000, 1001]
+
+
+def test_a_list_of_prompts_is_a_list_of_answers_each_with_its_receipt(server):
+    r = post(server, "/completion", {"prompt": ["hi", [104, 105], [104, "i"]], "n_predict": 2})
+    assert r.status_code == 200
+    answers = r.json()
+    assert [a["index"] for a in answers] == [0, 1, 2]
+    assert [a["prompt"] for a in answers] == ["hi", "hi", "hi"]
+    assert all(a["content"] == "Savante" and a["bankml_receipt"]["response_sha256"] == sha("Savante")
+               for a in answers)
+
+
+def test_n_gives_n_sequences_per_prompt_up_to_the_engines_sequences(server):
+    answers = post(server, "/completion", {"prompt": ["ab", "cd"], "n_predict": 1, "n": 2}).json()
+    assert [(a["index"], a["prompt"]) for a in answers] == [(0, "ab"), (1, "ab"), (2, "cd"), (3, "cd")]
+    r = post(server, "/completion", {"prompt": "hi", "n": 3})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "Field 'n': Value must be between 1 <= value <= 2, but got 3"
+    r = post(server, "/completion", {"prompt": "hi", "n": 0})
+    assert r.json()["error"]["message"] == "Field 'n': Value must be between 1 <= value <= 2, but got 0"
+
+
+def test_response_fields_cut_the_answer_to_the_named_paths(server):
+    body = post(server, "/completion", {"prompt": "hi", "n_predict": 2,
+                                        "response_fields": ["content", "generation_settings/n_predict", "no/such"]}).json()
+    assert list(body) == ["content", "generation_settings/n_predict", "bankml_receipt"]
+    assert body["generation_settings/n_predict"] == 2
+    assert nested_values(["a/b", "c"], {"a": {"b": 1}, "c": 2}) == {"a/b": 1, "c": 2}
+
+
+def test_completion_streams_one_event_per_token_then_the_final_one_and_the_receipt(server):
+    r = post(server, "/completion", {"prompt": "hi", "n_predict": 3, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    evs = events(r.text)
+    assert "[DONE]" not in evs  # llama-server's own route sends none
+    partials, final, receipt = evs[:3], evs[3], evs[4]
+    assert all(list(e) == PARTIAL_KEYS and e["stop"] is False for e in partials)
+    assert [e["tokens"] for e in partials] == [[1000], [1001], [1002]]
+    assert list(final) == FINAL_KEYS and final["stop"] is True and final["content"] == ""
+    assert receipt["index"] == 0
+    assert receipt["bankml_receipt"]["response_sha256"] == sha("".join(e["content"] for e in partials))
+
+
+def test_timings_per_token_puts_timings_on_every_event(server):
+    evs = events(post(server, "/completion", {"prompt": "hi", "n_predict": 3, "stream": True,
+                                              "timings_per_token": True}).text)
+    assert [e["timings"]["predicted_n"] for e in evs[:3]] == [1, 2, 3]
+    assert all(e["timings"]["prompt_n"] == 2 and e["timings"]["predicted_ms"] >= 0 for e in evs[:3])
+    assert evs[3]["generation_settings"]["timings_per_token"] is True
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"n_predict": 2}, "[json.exception.out_of_range.403] key 'prompt' not found"),
+    ({"prompt": []}, '"prompt" must not be empty'),
+    ({"prompt": [[1], {"a": 1}]},
+     'element of "prompt" must be a string, an list of tokens, or a list of mixed strings & tokens'),
+    ({"prompt": 5}, '"prompt" must be a string, an list of tokens, a list of mixed strings & tokens, or a list of '
+                    "prompts"),
+    ({"prompt": [1, 300]}, "Prompt contains invalid tokens"),
+    ({"prompt": [1, -2]}, "Prompt contains invalid tokens"),
+    ({"prompt": "hi", "n_predict": "x"}, "Field 'n_predict': [json.exception.type_error.302] type must be number, "
+                                         "but is string"),
+])
+def test_bad_prompts_and_fields_are_llama_servers_400s(server, body, message):
+    r = post(server, "/completion", body)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"code": 400, "message": message, "type": "invalid_request_error"}}
+
+
+def test_a_prompt_over_the_context_is_the_exceed_context_400(server):
+    r = post(server, "/completion", {"prompt": "a" * 5000})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error" and err["n_prompt_tokens"] == 5000 and err["n_ctx"] == 4096
+
+
+def test_refused_fields_are_400s_naming_them(server):
+    r = post(server, "/completion", {"prompt": "hi", "n_probs": 2, "post_sampling_probs": True})
+    assert r.status_code == 400 and "post_sampling_probs" in r.json()["error"]["message"]
+    r = post(server, "/completion", {"prompt": "hi", "return_progress": True})
+    assert r.status_code == 400 and "return_progress" in r.json()["error"]["message"]
+
+
+class _Tok:
+    n_vocab = 1000
+
+    def __init__(self):
+        self.calls = []
+
+    def encode(self, text, add_special, parse_special, limit=None):
+        self.calls.append((text, add_special, parse_special))
+        return ([1] if add_special else []) + [ord(c) for c in text]
+
+
+class _Model:
+    def __init__(self):
+        self.tokenizer = _Tok()
+
+    def tokenize(self, text, add_special, parse_special):
+        return self.tokenizer.encode(text, add_special, parse_special)
+
+
+def test_prompts_are_tokenized_as_llama_server_does():
+    m = _Model()
+    assert prompt_tokens(m, "ab") == [[1, 97, 98]]
+    assert prompt_tokens(m, [5, "ab", 6, "c"]) == [[5, 97, 98, 6, 99]]  # BOS only before a first string
+    assert prompt_tokens(m, ["a", 7]) == [[1, 97, 7]]
+    assert prompt_tokens(m, [[3, 4], "b", ["c", 9]]) == [[3, 4], [1, 98], [1, 99, 9]]
+    assert prompt_tokens(m, [3, 4]) == [[3, 4]]
+    assert all(parse for _, _, parse in m.tokenizer.calls)  # special tokens parsed in every string
+    with pytest.raises(InvalidRequest):
+        prompt_tokens(m, [[]])
+    with pytest.raises(InvalidRequest):
+        prompt_tokens(m, [True])
+
+
+def test_the_openai_layer_refuses_what_llama_server_refuses():
+    for body, message in [({"max_tokens": 2}, '"prompt" is required'), ({"prompt": "x", "echo": True},
+                          "Only no echo is supported"), ({"prompt": "x", "suffix": "y"}, "Unsupported param: suffix"),
+                          ({"prompt": "x", "best_of": 2}, "Unsupported param: best_of")]:
+        with pytest.raises(Exception) as e:
+            parse_completion(body, SamplingParams(), oai=True)
+        assert str(e.value) == message
+    req = parse_completion({"prompt": "x", "stop": "y", "max_tokens": 3, "logprobs": 2, "echo": False},
+                           SamplingParams(), oai=True)
+    assert (req.params.stop, req.params.max_tokens, req.params.n_probs) == (("y",), 3, 2)
+
+
+# --- /v1/completions and /completions ------------------------------------------------------------
+
+
+def test_v1_completions_with_the_openai_client_plain_and_streamed(server):
+    c = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    plain = c.completions.create(model="Tiny-Model.Q8_0.gguf", prompt="hi", max_tokens=3)
+    assert plain.object == "text_completion" and plain.choices[0].text == "".join(REPLY_PIECES[:3])
+    assert plain.choices[0].finish_reason == "length" and plain.system_fingerprint.startswith("b")
+    assert (plain.usage.prompt_tokens, plain.usage.completion_tokens) == (2, 3)
+    assert plain.model_extra["bankml_receipt"]["response_sha256"] == sha(plain.choices[0].text)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="Tiny-Model.Q8_0.gguf",
+                                                                         prompt="hi", stream=True)
+                       if ch.choices)
+    assert streamed == REPLY
+
+
+def test_v1_completions_body_and_stream_in_llama_servers_shape(server):
+    for path in ("/v1/completions", "/completions"):
+        body = post(server, path, {"prompt": "hi", "max_tokens": 2}).json()
+        assert list(body) == [*OAI_KEYS, "bankml_receipt"]
+        assert body["choices"] == [{"text": "Savante", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
+    assert [e["choices"][0]["text"] for e in evs[:3]] == ["Sav", "ante", ""]
+    assert [e["choices"][0]["finish_reason"] for e in evs[:3]] == [None, None, "length"]
+    assert "timings" not in evs[0] and evs[2]["usage"]["completion_tokens"] == 2
+    assert evs[3]["choices"] == [] and evs[3]["bankml_receipt"]["response_sha256"] == sha("Savante")
+    assert evs[4] == "[DONE]"
+
+
+def test_v1_completions_n_and_a_list_of_prompts_are_choices_by_index(server):
+    body = post(server, "/v1/completions", {"prompt": ["ab", "cd"], "max_tokens": 1}).json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    assert all(ch["bankml_receipt"]["response_sha256"] == sha("Sav") for ch in body["choices"])
+    body = post(server, "/v1/completions", {"prompt": "ab", "max_tokens": 1, "n": 2}).json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+
+
+def test_v1_completions_resolves_model_names(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "model": "no-such-model"})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("body, message", [({"prompt": "x", "echo": True}, "Only no echo is supported"),
+                                           ({"prompt": "x", "suffix": "y"}, "Unsupported param: suffix")])
+def test_v1_completions_refusals_are_llama_servers_500s(server, body, message):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 500
+    assert r.json() == {"error": {"code": 500, "message": message, "type": "server_error"}}
+
+
+# --- aliases, chat's n and timings_per_token, /infill ----------------------------------------------
+
+
+def test_the_aliases_answer_as_their_v1_routes(server):
+    a = post(server, "/chat/completions", {"messages": HI, "max_tokens": 2}).json()
+    assert a["object"] == "chat.completion" and a["choices"][0]["message"]["content"] == "Savante"
+    assert httpx.get(server.url("/models")).json() == httpx.get(server.url("/v1/models")).json()
+
+
+def test_chat_n_gives_choices_each_its_own_sequence_and_receipt(server):
+    body = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2}).json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1]
+    assert all(ch["message"]["content"] == "Savante" and ch["bankml_receipt"]["response_sha256"] == sha("Savante")
+               for ch in body["choices"])
+    evs = events(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2, "stream": True}).text)
+    chunks = [e for e in evs if e != "[DONE]" and e["choices"]]
+    text = {0: "", 1: ""}
+    for e in chunks:
+        ch = e["choices"][0]
+        text[ch["index"]] += ch["delta"].get("content") or ""
+    assert text == {0: "Savante", 1: "Savante"}
+    receipts = [e for e in evs if e != "[DONE]" and "bankml_receipt" in e]
+    assert sorted(e["index"] for e in receipts) == [0, 1] and evs[-1] == "[DONE]"
+    r = post(server, "/v1/chat/completions", {"messages": HI, "n": 5})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("Field 'n': Value must be between 1 <=")
+
+
+def test_chat_timings_per_token(server):
+    evs = events(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": True,
+                                                       "timings_per_token": True}).text)
+    content = [e for e in evs if e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert [e["timings"]["predicted_n"] for e in content] == [1, 2]
+
+
+def test_infill_on_a_model_without_fim_tokens_is_llama_servers_501(server):
+    r = post(server, "/infill", {"input_prefix": "a", "input_suffix": "b"})
+    assert r.status_code == 501
+    assert r.json()["error"]["type"] == "not_supported_error"
+    assert r.json()["error"]["message"].startswith("Infill is not supported by this model: ")
+
+
+def test_a_whole_reply_and_stop_from_the_fake(server):
+    body = post(server, "/completion", {"prompt": "hi"}).json()
+    assert body["content"] == REPLY and body["tokens_predicted"] == len(REPLY_PIECES)
