@@ -3,7 +3,8 @@
 The route (A's, /completion with this prompt) runs, as llama-server's `post_infill` does
 (tools/server/server-context.cpp):
 1. `require_fim(model)`: a model without FIM prefix, suffix or middle tokens is refused first,
-   whatever the body says: 501 not_supported_error, "Infill is not supported by this model: ...";
+   before the body is even parsed (an unparsable body gets it too): 501 not_supported_error,
+   "Infill is not supported by this model: prefix token is missing. ...";
 2. `check_infill_body(doc)`: its 400s for `input_extra` and its chunks, and the type errors its JSON
    library raises while reading `input_prefix`, `input_suffix` and `prompt`;
 3. `infill_prompt(model, doc, ...)`: `format_prompt_infill` (tools/server/server-common.cpp), with
@@ -50,15 +51,11 @@ def require_fim(model: Any) -> None:
 
 
 def check_infill_body(doc: dict) -> None:
-    """The body's 400s, in llama-server's order and words (post_infill, then what its JSON library
-    throws inside format_prompt_infill, which ex_wrapper turns into a 400)."""
-    if "prompt" in doc and doc["prompt"] is not None and not isinstance(doc["prompt"], str):
-        # llama-server writes this error and goes on (no return): its answer then ignores the prompt.
-        # We refuse instead of answering a request whose prompt we dropped.
-        raise InvalidRequest('"prompt" must be a string')
-    for key in ("input_prefix", "input_suffix"):
-        if key not in doc:
-            raise InvalidRequest(f"[json.exception.out_of_range.403] key '{key}' not found")
+    """The body's 400s, in llama-server's order and words (post_infill's checks of input_extra, then
+    what its JSON library throws while format_prompt_infill reads input_prefix and input_suffix,
+    which ex_wrapper turns into a 400)."""
+    # (a `prompt` that is not a string: llama-server writes its 400 "\"prompt\" must be a string" and
+    # goes on without returning it, so its answer treats the prompt as ""; we do as its binary does)
     if "input_extra" in doc and not isinstance(doc["input_extra"], list):
         raise InvalidRequest('"input_extra" must be an array of {"filename": string, "text": string}')
     for chunk in doc.get("input_extra") or []:
@@ -66,6 +63,10 @@ def check_infill_body(doc: dict) -> None:
             raise InvalidRequest('extra_context chunk must contain a "text" field with a string value')
         if "filename" in chunk and not isinstance(chunk["filename"], str):
             raise InvalidRequest('extra_context chunk\'s "filename" field must be a string')
+    # format_prompt_infill's arguments are read right to left (GCC): the suffix is missed first
+    for key in ("input_suffix", "input_prefix"):
+        if key not in doc:
+            raise InvalidRequest(f"[json.exception.out_of_range.403] key '{key}' not found")
     for key in ("input_prefix", "input_suffix"):
         _check_mixed(doc[key])
 

@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bankml import __version__, jstr
-from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, NotSupported, Overloaded
+from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, Overloaded
 from gateway.chat_request import check_messages, parse_body
 from gateway.errors import json_response
+from gateway.llama_text import detokenize_body, tokenize_body
 from gateway.ollama_models import v1_models_data
 from gateway.sanic_app import query_of, takes_query
 from model.messages import SamplingParams, SequenceState
@@ -65,22 +66,22 @@ async def models(request, state):
 
 
 async def tokenize(request, state):
+    """llama-server's `POST /tokenize` (gateway/llama_text.py reads the body as b11434 does)."""
     req = await _off_loop(parse_body, request.body)  # JSON as llama-server reads it (a lone surrogate is a 400)
-    if not isinstance(req, dict):
-        raise InvalidRequest("body is not a JSON object")
-    content = req.get("content")
-    if content is not None and not isinstance(content, str):
-        raise NotSupported("'content' as token ids or a mix of text and ids is not supported by bankml serve "
-                           "--native yet")
-    if req.get("with_pieces") is True:
-        raise NotSupported("'with_pieces' is not supported by bankml serve --native yet")
-    text = content or ""
-    add_special = req.get("add_special") is True  # llama-server: false unless asked
-    parse_special = req.get("parse_special") is not False  # llama-server: true unless refused
     loaded = await state.residency.current()
-    ids = await _off_loop(loaded.model.tokenize, text, add_special, parse_special)
+    tokens = await _off_loop(tokenize_body, loaded.model, req)
+    if tokens and isinstance(tokens[0], dict):
+        return json_response(jstr.dumps({"tokens": tokens}))
     # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
-    return json_response('{"tokens": [' + ",".join(map(str, ids)) + "]}")
+    return json_response('{"tokens": [' + ",".join(map(str, tokens)) + "]}")
+
+
+async def detokenize(request, state):
+    """llama-server's `POST /detokenize`: `{"content"}`, every piece with special tokens rendered."""
+    req = await _off_loop(parse_body, request.body)
+    loaded = await state.residency.current()
+    content = await _off_loop(detokenize_body, loaded.model, req)
+    return json_response(jstr.dumps({"content": content}))
 
 
 async def apply_template(request, state):
