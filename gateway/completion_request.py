@@ -3,16 +3,17 @@ reads it, before any model work, and the prompt's tokens once the model is held.
 
 `parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):
 1. the JSON (chat_request.parse_body: nlohmann's parse errors);
-2. for the OpenAI routes, `oaicompat_completion_params_parse` (tools/server/server-common.cpp):
-   `prompt` required, `stop` as a string or an array, `echo` and `suffix`/`best_of` refused in its
-   words, then every other key passed through (`n_predict` over `max_tokens`);
+2. `prompt` required (nlohmann's `at()` errors: 400), then for the OpenAI routes
+   `oaicompat_completion_params_parse` (tools/server/server-common.cpp): `stop` as a string or an
+   array, every other key passed through (`n_predict` over `max_tokens`);
 3. llama-server's field table and sampler set-up (request_fields.read_fields), `n` read up to
    `N_UNBOUNDED` here and against the engine's sequences once the model is held (`check_n`, the
    table's own `Field 'n': Value must be between 1 <= value <= N` with N = `[engine] max_seqs`,
    llama-server's n_parallel);
-4. ours (chat_request.refuse_unsupported, the same refusals as a chat), less the two this route
-   honours: `timings_per_token` (every output carries the engine thread's timeline) and
-   `return_tokens`.
+4. ours (chat_request.refuse_unsupported, the same refusals as a chat: `echo` among them), less
+   `timings_per_token`, honoured (every output carries the engine thread's timeline); on the OpenAI
+   routes `suffix` and `best_of` (b11434 ignores all three, which would answer something else than
+   what the client asked for).
 
 `prompt_tokens(model, prompt)` is `tokenize_input_prompts` (server-common.cpp): a string, a list of
 token ids, a list mixing both (the strings tokenized, special tokens parsed, BOS only before the
@@ -25,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from bankml.errors import InvalidRequest
-from gateway.chat_request import failed, refuse_unsupported
-from gateway.json_values import get_bool, json_value
+from bankml.errors import InvalidRequest, NotSupported
+from gateway.chat_request import refuse_unsupported
+from gateway.json_values import has_value, json_value, type_name
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import SamplingParams
 
@@ -49,36 +50,41 @@ class CompletionRequest:
 
 
 def oai_layer(body: Any) -> dict:
-    """oaicompat_completion_params_parse: llama-server's params from an OpenAI completions body."""
-    if not isinstance(body, dict) or "prompt" not in body:
-        raise failed('"prompt" is required')
+    """oaicompat_completion_params_parse (b11434): `stop` as a string or an array, then every other key
+    passed through (`n_predict` over `max_tokens`). b11434 takes `echo`, `suffix` and `best_of` and
+    ignores them (recorded); each would change the answer a client expects, so ours refuses them
+    (`_refuse_oai`), after llama-server's own checks."""
     params: dict[str, Any] = {}
     stop = body.get("stop")
     params["stop"] = [stop] if isinstance(stop, str) else json_value(body, "stop", [])
-    if json_value(body, "echo", False, get_bool):
-        raise failed("Only no echo is supported")
-    for name in ("best_of", "suffix"):
-        if name in body:
-            raise failed(f"Unsupported param: {name}")
     for key, value in body.items():
         if key not in params or key == "n_predict":
             params[key] = value
     return params
 
 
+def _refuse_oai(doc: dict) -> None:
+    if has_value(doc, "suffix"):  # OpenAI's insertion: text after the completion (llama-server drops it)
+        raise NotSupported("'suffix' is not supported by bankml serve --native")
+    if has_value(doc, "best_of") and doc["best_of"] != 1:  # n candidates, the best returned
+        raise NotSupported("'best_of' is not supported by bankml serve --native")
+
+
 def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> CompletionRequest:
     """The request checked as llama-server checks it, then against what this engine does."""
+    if not isinstance(doc, dict):  # data.at("prompt") on an array or a scalar: nlohmann's type_error
+        raise InvalidRequest(f"[json.exception.type_error.304] cannot use at() with {type_name(doc)}")
+    if "prompt" not in doc:  # data.at("prompt") on a body without one: nlohmann's out_of_range
+        raise InvalidRequest("[json.exception.out_of_range.403] key 'prompt' not found")
+    original = doc
     if oai:
         doc = oai_layer(doc)
-    elif not isinstance(doc, dict):
-        raise InvalidRequest("body is not a JSON object")
-    elif "prompt" not in doc:
-        # data.at("prompt") on a body without one: nlohmann's out_of_range, llama-server's 400
-        raise InvalidRequest("[json.exception.out_of_range.403] key 'prompt' not found")
     p = read_fields(doc, defaults, n_max=N_UNBOUNDED)
     timings_per_token = bool(p.get("timings_per_token"))
     p["timings_per_token"] = False  # honoured here (refuse_unsupported refuses it for the rest)
     refuse_unsupported(p, doc, [])
+    if oai:
+        _refuse_oai(original)
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     fields_ = p.get("response_fields")
     return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
@@ -118,31 +124,35 @@ def _tokenize_mixed(model, v: Any) -> list[int]:
     return out
 
 
+_BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '
+               "or a list of mixed strings & tokens.")
+
+
+def _one_prompt(model, p: Any) -> list[int]:
+    if isinstance(p, str) or _mixed(p):
+        return _tokenize_mixed(model, p)
+    if _all_ints(p):
+        return list(p)
+    if isinstance(p, dict) and isinstance(p.get("prompt_string"), str):
+        # b11434's multimodal prompt object; its text alone is a prompt, its media are not served
+        if p.get("multimodal_data"):
+            raise NotSupported("'multimodal_data' is not supported by bankml serve --native")
+        return _tokenize_mixed(model, p["prompt_string"])
+    raise InvalidRequest(_BAD_PROMPT)
+
+
 def prompt_tokens(model, prompt: Any) -> list[list[int]]:
-    """tokenize_input_prompts(vocab, prompt, add_special=true, parse_special=true), each id checked."""
-    if isinstance(prompt, str) or _mixed(prompt):
-        prompts = [_tokenize_mixed(model, prompt)]
-    elif _all_ints(prompt) and prompt:
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt:
-        prompts = []
-        for p in prompt:
-            if isinstance(p, str) or _mixed(p):
-                prompts.append(_tokenize_mixed(model, p))
-            elif _all_ints(p):
-                prompts.append(list(p))
-            else:
-                raise InvalidRequest('element of "prompt" must be a string, an list of tokens, or a list of '
-                                     "mixed strings & tokens")
-    elif isinstance(prompt, list):
+    """tokenize_input_prompts(vocab, prompt, add_special=true, parse_special=true) as b11434 answers it
+    (recorded): one prompt, or a list of them; an empty one is answered empty (`[[]]`, or "" for a
+    model that adds no BOS), every id checked against the vocabulary."""
+    if isinstance(prompt, list) and not prompt:
         raise InvalidRequest('"prompt" must not be empty')
+    if isinstance(prompt, list) and not _mixed(prompt) and not _all_ints(prompt):
+        prompts = [_one_prompt(model, p) for p in prompt]
     else:
-        raise InvalidRequest('"prompt" must be a string, an list of tokens, a list of mixed strings & tokens, '
-                             "or a list of prompts")
+        prompts = [_one_prompt(model, prompt)]
     n_vocab = vocab_size(model)
     for ids in prompts:
-        if not ids:
-            raise InvalidRequest("empty prompt")
         if n_vocab is not None and any(not 0 <= t < n_vocab for t in ids):
             raise InvalidRequest("Prompt contains invalid tokens")
     return prompts

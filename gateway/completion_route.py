@@ -175,7 +175,7 @@ async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list
             choice = w.oai_choice(j, f.text, f.last, f.entries)
             choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
             choices.append(choice)
-        res = w.oai_body(a.id, a.created, a.model, choices, [f.last for f in done])
+        res = w.oai_body(a.id, a.created, a.model, choices, done[0].last)
         if len(done) == 1:  # one answer: its receipt where every /v1 answer has it
             res["bankml_receipt"] = choices[0].pop("bankml_receipt")
         return json_response(jstr.dumps(res))
@@ -237,14 +237,14 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer,
 def _partial(a: Answer, i: int, out: StepOutput, entries: list[dict]) -> dict:
     if a.kind is Kind.OAI:
         choice = w.oai_choice(i, out.text, None, entries)
-        return w.oai_chunk(a.id, a.created, a.model, choice, out if a.req.timings_per_token else None)
-    return w.llama_partial(i, out, with_timings=a.req.timings_per_token, entries=entries)
+        timed = w.partial_timings(out, a.req.timings_per_token)
+        return w.oai_chunk(a.id, a.created, a.model, choice, out if timed else None)
+    return w.llama_partial(i, out, with_timings=w.partial_timings(out, a.req.timings_per_token), entries=entries)
 
 
 def _final_event(a: Answer, i: int, last: StepOutput, texts: list[str], n: int, has_new_line: bool) -> dict:
     if a.kind is Kind.OAI:
-        res = w.oai_body(a.id, a.created, a.model, [w.oai_choice(i, "", last, None)], [last])
-        return res
+        return w.oai_body(a.id, a.created, a.model, [w.oai_choice(i, "", last, None)], last)
     obj = w.llama_final(i, last, content="", tokens=[], model=a.model, settings=a.settings,
                         prompt=texts[i // n], has_new_line=has_new_line, entries=None)
     return w.nested_values(a.req.response_fields, obj) if a.req.response_fields else obj

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_chat import SYSTEM_FINGERPRINT, timings
+from gateway.openai_chat import SYSTEM_FINGERPRINT, timings, usage
 from gateway.openai_chat import _event as event
 from model.messages import StepOutput
 
-__all__ = ["event", "nested_values", "llama_final", "llama_partial", "oai_choice", "oai_body", "oai_chunk"]
+__all__ = ["event", "nested_values", "partial_timings", "llama_final", "llama_partial", "oai_choice", "oai_body",
+           "oai_chunk"]
 
 
 def nested_values(paths: list, obj: dict) -> dict:
@@ -44,13 +45,19 @@ def nested_values(paths: list, obj: dict) -> dict:
     return out
 
 
+def partial_timings(out: StepOutput, timings_per_token: bool) -> bool:
+    """Whether a streamed token's event carries `timings`: with timings_per_token, and (b11434, as
+    recorded) on the token whose text ends the answer with a stop word."""
+    return timings_per_token or out.stop_type == "word"
+
+
 def llama_partial(index: int, out: StepOutput, *, with_timings: bool, entries: list[dict] | None) -> dict:
     res: dict[str, Any] = {
         "index": index,
         "content": out.text,
         "tokens": [out.token] if out.token is not None else [],
         "stop": False,
-        "id_slot": out.id_slot,
+        "id_slot": -1,  # b11434 names the slot only in the final result
         "tokens_predicted": out.completion_tokens,
         "tokens_evaluated": out.prompt_tokens,
     }
@@ -78,7 +85,9 @@ def llama_final(index: int, last: StepOutput, *, content: str, tokens: list[int]
         "truncated": last.truncated,
         "stop_type": last.stop_type,
         "stopping_word": last.stopping_word,
-        "tokens_cached": last.cached_tokens,
+        # the slot's tokens once it stopped: the prompt and what it generated, less the last token
+        # (sampled, never decoded)
+        "tokens_cached": max(0, last.prompt_tokens + last.completion_tokens - 1) if last.completion_tokens else 0,
         "timings": timings(last),
     }
     if entries:
@@ -96,15 +105,11 @@ def oai_choice(index: int, text: str, last: StepOutput | None, entries: list[dic
             "finish_reason": _finish_reason(last) if last is not None else None}
 
 
-def oai_usage(lasts: list[StepOutput]) -> dict:
-    completion = sum(o.completion_tokens for o in lasts)
-    prompt = sum(o.prompt_tokens for o in lasts)
-    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": completion + prompt}
-
-
-def oai_body(cmpl_id: str, created: int, model: str, choices: list[dict], lasts: list[StepOutput]) -> dict:
+def oai_body(cmpl_id: str, created: int, model: str, choices: list[dict], first: StepOutput) -> dict:
+    """The answer; with several choices (a list of prompts, `n` > 1) llama-server merges them into its
+    first sequence's object, whose `usage` and `timings` it keeps (recorded: not a sum)."""
     return {"choices": choices, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "object": "text_completion", "usage": oai_usage(lasts), "id": cmpl_id, "timings": timings(lasts[-1])}
+            "object": "text_completion", "usage": usage(first), "id": cmpl_id, "timings": timings(first)}
 
 
 def oai_chunk(cmpl_id: str, created: int, model: str, choice: dict, timed: StepOutput | None) -> dict:

@@ -40,7 +40,15 @@ def completed(out: StepOutput | None) -> bool:
     return out is not None and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
+def empty_answer() -> StepOutput:
+    """llama-server's answer to an empty prompt (server-context.cpp: "empty prompt - releasing slot"):
+    nothing generated, stop_type "none", never handed to the engine (a sequence needs a token)."""
+    return StepOutput(token=None, finish_reason=FinishReason.LENGTH, stop_type="none", utf8_complete=False)
+
+
 async def _one(loaded, request: GenerateRequest, entry: Entry | None) -> Finished:
+    if not request.prompt_tokens:
+        return Finished("", empty_answer())
     pieces: list[str] = []
     tokens: list[int] = []
     entries: list[dict] = []
@@ -78,8 +86,9 @@ async def outputs(loaded, requests: list[GenerateRequest]) -> AsyncIterator[Asyn
     sequence's outputs in order, the sequences interleaved as the engine makes them; the stream ends
     when every sequence has its last output)."""
     async with AsyncExitStack() as stack:
-        generations = [await stack.enter_async_context(loaded.client.generate(r)) for r in requests]
-        if len(generations) == 1:  # the common case: no merging task
+        generations = {i: await stack.enter_async_context(loaded.client.generate(r))
+                       for i, r in enumerate(requests) if r.prompt_tokens}
+        if len(requests) == 1 and generations:  # the common case: no merging task
             async def single() -> AsyncIterator[tuple[int, StepOutput]]:
                 async for out in generations[0]:
                     yield 0, out
@@ -87,15 +96,18 @@ async def outputs(loaded, requests: list[GenerateRequest]) -> AsyncIterator[Asyn
             yield single()
             return
         queue: asyncio.Queue = asyncio.Queue()
+        for i, r in enumerate(requests):
+            if not r.prompt_tokens:  # answered at once, first (llama-server releases its slot at once)
+                queue.put_nowait((i, empty_answer()))
 
         async def pump(i: int, generation) -> None:
             async for out in generation:
                 queue.put_nowait((i, out))
 
-        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in generations.items()]
 
         async def merged() -> AsyncIterator[tuple[int, StepOutput]]:
-            left = len(generations)
+            left = len(requests)
             while left:
                 i, out = await queue.get()
                 if out.finish_reason is not None:
