@@ -3,7 +3,7 @@ gateway/chat_request.py).
 
 Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
 order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
-- non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason",
+- non-streamed: `{"choices": [{"finish_reason", "index", "message": {"role", "content"},
   ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
   "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
 - streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
@@ -97,8 +97,8 @@ class Completion:
 
     @staticmethod
     def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": last.finish_reason.value}
+        choice: dict[str, Any] = {"finish_reason": last.finish_reason.value, "index": index,
+                                  "message": {"role": "assistant", "content": text}}
         if logprobs:  # llama-server writes the key only when there are entries
             choice["logprobs"] = {"content": logprobs}
         return choice
@@ -129,7 +129,7 @@ class Completion:
         """A content chunk; with `piece` None, the role delta that opens the stream (of choice `index`).
         `timed`: timings_per_token, the chunk carries that output's `timings`."""
         delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
-        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None}
+        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
         if logprobs:
             choice["logprobs"] = {"content": logprobs}
         if timed is not None:
@@ -139,7 +139,7 @@ class Completion:
     def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False) -> bytes:
         """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one
         (all of them with timings_per_token, else `cache_n`)."""
-        finish = [{"index": index, "delta": {}, "finish_reason": last.finish_reason.value}]
+        finish = [{"finish_reason": last.finish_reason.value, "index": index, "delta": {}}]
         times = timings(last) if timed else {"cache_n": last.cached_tokens}
         if not self.include_usage:
             return self._chunk(finish, usage=usage(last), timings=times)
