@@ -82,9 +82,9 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/api/create"): ollama_create.create,
     ("POST", "/api/copy"): ollama_create.copy,
     ("DELETE", "/api/delete"): ollama_create.delete,
-    # issue 15 A: completions (llama-server's own, OpenAI's legacy), /infill, llama-server's aliases
+    # issue 15 A: completions (llama-server's own and its alias, OpenAI's legacy), /infill, llama-server's aliases
     ("POST", "/completion"): completion_route.completion,
-    ("POST", "/completions"): completion_route.completions_oai,
+    ("POST", "/completions"): completion_route.completion,  # llama-server's alias of /completion (recorded)
     ("POST", "/v1/completions"): completion_route.completions_oai,
     ("POST", "/infill"): completion_route.infill,
     ("POST", "/chat/completions"): chat_completions,

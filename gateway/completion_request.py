@@ -1,4 +1,4 @@
-"""`POST /completion`, `/v1/completions` (and `/completions`), `/infill`: the body read as llama-server
+"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`: the body read as llama-server
 reads it, before any model work, and the prompt's tokens once the model is held.
 
 `parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):

@@ -1,7 +1,8 @@
-"""`POST /completion`, `/v1/completions` (and `/completions`), `/infill`, top to bottom.
+"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`, top to bottom.
 
 1. read the JSON (off the loop) and resolve the model: `/completion` and `/infill` name none (the
-   startup model, as llama-server serves its one model); `/v1/completions` resolves `model` as
+   startup model, as llama-server serves its one model; `/completions` is llama-server's alias of
+   /completion, not OpenAI's route); `/v1/completions` resolves `model` as
    `/v1/chat/completions` does (404 for an unknown name; a derived model's parameters fill the body);
 2. read the fields as llama-server reads them (completion_request.parse_completion): its 400s (and
    its 500s for the OpenAI layer's refusals) before any model work, then ours;
@@ -48,7 +49,7 @@ SERVER_N_PREDICT = -1
 
 class Kind(enum.Enum):
     LLAMA = "completion"  # llama-server's /completion
-    OAI = "oai"  # /v1/completions, /completions
+    OAI = "oai"  # /v1/completions
     INFILL = "infill"  # /infill: /completion's answer on a FIM prompt
 
 

@@ -9,7 +9,7 @@
   "stop": false, "id_slot", "tokens_predicted", "tokens_evaluated", ["timings"],
   ["completion_probabilities"]}`, then the final object with the stream's empty `content`; no
   `[DONE]` (llama-server sends none on this route).
-- `/v1/completions` (`to_json_oaicompat`): `{"choices": [{"text", "index", "logprobs", "finish_reason"}],
+- `/v1/completions` (`to_json_oaicompat`; `/completions` is /completion's alias in b11434): `{"choices": [{"text", "index", "logprobs", "finish_reason"}],
   "created", "model", "system_fingerprint", "object": "text_completion", "usage", "id", "timings"}`;
   streamed, the same shape per token with `finish_reason` null and `timings` only when asked
   (timings_per_token), then the final chunk, then `[DONE]`.

@@ -1,4 +1,4 @@
-"""/completion, /v1/completions, /completions, /infill, the aliases, and chat's `n` and
+"""/completion (and its alias /completions), /v1/completions, /infill, the aliases, and chat's `n` and
 timings_per_token, over the fake engine: shapes and key order as llama-server writes them, statuses and
 messages, receipts, the SSE events. The real model's answers against llama-server's recording are in
 tests/test_completions_smollm2.py."""
@@ -247,10 +247,13 @@ def test_v1_completions_with_the_openai_client_plain_and_streamed(server):
 
 
 def test_v1_completions_body_and_stream_in_llama_servers_shape(server):
-    for path in ("/v1/completions", "/completions"):
-        body = post(server, path, {"prompt": "hi", "max_tokens": 2}).json()
-        assert list(body) == [*OAI_KEYS, "bankml_receipt"]
-        assert body["choices"] == [{"text": "Savante", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json()
+    assert list(body) == [*OAI_KEYS, "bankml_receipt"]
+    assert body["choices"] == [{"text": "Savante", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert list(body["usage"]) == ["completion_tokens", "prompt_tokens", "total_tokens", "prompt_tokens_details"]
+    # b11434's /completions is its /completion (recorded), not OpenAI's route
+    alias = post(server, "/completions", {"prompt": "hi", "n_predict": 2}).json()
+    assert list(alias) == [*FINAL_KEYS, "bankml_receipt"] and alias["content"] == "Savante"
     evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
     assert [e["choices"][0]["text"] for e in evs[:3]] == ["Sav", "ante", ""]
     assert [e["choices"][0]["finish_reason"] for e in evs[:3]] == [None, None, "length"]
@@ -316,3 +319,27 @@ def test_infill_on_a_model_without_fim_tokens_is_llama_servers_501(server):
 def test_a_whole_reply_and_stop_from_the_fake(server):
     body = post(server, "/completion", {"prompt": "hi"}).json()
     assert body["content"] == REPLY and body["tokens_predicted"] == len(REPLY_PIECES)
+
+
+def test_the_shapes_are_the_recorded_ones(server):
+    """Keys and their order, nested ones too, as b11434 wrote them for the same requests."""
+    answers = RECORDED["answers"]
+    ours = post(server, "/completion", {"prompt": "hi", "n_predict": 2}).json()
+    theirs = answers["string"]["body"]
+    assert [k for k in ours if k != "bankml_receipt"] == list(theirs)
+    assert list(ours["generation_settings"]) == list(theirs["generation_settings"])
+    assert list(ours["timings"]) == list(theirs["timings"])
+    ours = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json()
+    theirs = answers["oai"]["body"]
+    assert [k for k in ours if k not in ("bankml_receipt", *VOLATILE)] == list(theirs)
+    assert list(ours["usage"]) == list(theirs["usage"])
+    evs = events(post(server, "/completion", {"prompt": "hi", "n_predict": 2, "stream": True}).text)
+    theirs = answers["stream"]["events"]
+    assert list(evs[0]) == list(theirs[0]) and list(evs[2]) == list(theirs[-1])
+    evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
+    theirs = answers["oai_stream"]["events"]
+    assert [k for k in evs[0] if k not in VOLATILE] == list(theirs[0])
+    assert [k for k in evs[2] if k not in VOLATILE] == list(theirs[-2]) and evs[-1] == theirs[-1] == "[DONE]"
+    chat = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2}).json()
+    theirs = answers["chat_n2"]["body"]
+    assert [k for k in chat["choices"][1] if k != "bankml_receipt"] == list(theirs["choices"][1])

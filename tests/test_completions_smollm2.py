@@ -20,6 +20,10 @@ VOLATILE = ("created", "id", "system_fingerprint")
 OURS_ONLY = ("bankml_receipt",)
 # not greedy: only the shape and the settings are compared
 SAMPLED = {"settings"}
+# llama-server answers any model name with its one model; bankML's /v1 resolves names (404 for an unknown one)
+SKIPPED = {"oai_model": "bankML resolves `model` on /v1 (an unknown name is a 404)"}
+# which slot served a sequence is the scheduler's business, not the answer's
+UNCOMPARED = ("id_slot",)
 # our `model` is the file's name (as /v1/models lists it), llama-server's the path it was started with
 MODEL_KEY = "model"
 
@@ -58,7 +62,7 @@ def _same(ours, theirs, greedy: bool) -> None:
         return
     assert [k for k in ours if k not in OURS_ONLY and k not in VOLATILE] == list(theirs)
     for key, value in theirs.items():
-        if key == MODEL_KEY:
+        if key == MODEL_KEY or key in UNCOMPARED:
             continue
         if key == "timings":
             assert list(ours[key]) == list(value)
@@ -81,12 +85,15 @@ def _same_probs(ours, theirs) -> None:
     theirs = theirs["content"] if isinstance(theirs, dict) else theirs
     assert [(e["id"], e["token"], e["bytes"]) for e in ours] == [(e["id"], e["token"], e["bytes"]) for e in theirs]
     for o, t in zip(ours, theirs, strict=True):
-        assert o["logprob"] == pytest.approx(t["logprob"], abs=0.05)
+        # llama.cpp's CPU kernels quantize activations to 8 bits for Q4_1; the engine computes in float32
+        assert o["logprob"] == pytest.approx(t["logprob"], abs=0.1)
         assert [x["id"] for x in o["top_logprobs"]] == [x["id"] for x in t["top_logprobs"]]
 
 
 @pytest.mark.parametrize("name", sorted(RECORDED["answers"]))
 def test_each_recorded_answer(server, name):
+    if name in SKIPPED:
+        pytest.skip(SKIPPED[name])
     case = RECORDED["answers"][name]
     r = httpx.post(server.url(case["route"]), json=case["request"], timeout=300)
     assert r.status_code == case["status"], r.text
@@ -106,9 +113,23 @@ def test_each_recorded_answer(server, name):
         drop = ("usage",) if case["request"].get("timings_per_token") else ("usage", "timings")
         ours = [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in ours]
         theirs = [{k: v for k, v in e.items() if k not in drop} if isinstance(e, dict) else e for e in theirs]
+    # several sequences interleave as the engine schedules them: compared sequence by sequence
+    ours, theirs = _by_index(ours), _by_index(theirs)
     assert len(ours) == len(theirs)
     for o, t in zip(ours, theirs, strict=True):
         if isinstance(t, str):
             assert o == t
         else:
             _same(o, t, greedy)
+
+
+def _index(e) -> int:
+    if not isinstance(e, dict):
+        return 1 << 30  # [DONE] last
+    if e.get("choices"):
+        return e["choices"][0]["index"]
+    return e.get("index", 0)
+
+
+def _by_index(events: list) -> list:
+    return sorted(events, key=_index)  # stable: each sequence's own order kept
