@@ -343,3 +343,22 @@ def test_the_shapes_are_the_recorded_ones(server):
     chat = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2}).json()
     theirs = answers["chat_n2"]["body"]
     assert [k for k in chat["choices"][1] if k != "bankml_receipt"] == list(theirs["choices"][1])
+
+
+def test_infill_builds_llama_servers_prompt_and_reads_completions_fields(smollm2_path):
+    """The route's /infill step on a SmolLM2 whose header names FIM tokens (as helper C's recording):
+    the FIM refusal first, the body checks, /completion's fields, then llama-server's logged prompt."""
+    from gateway.completion_route import _infill_prompts
+    from gateway.native_model import NativeModel
+    from model.tokenizer import Tokenizer, gguf_fields
+
+    small = json.loads((Path(__file__).parent / "fixtures" / "llama_small_smollm2.json").read_text())
+    fields = {**gguf_fields(smollm2_path, ("tokenizer.", "general.")), **small["fim_keys"], **small["fim_sep_key"]}
+    model = NativeModel(Tokenizer.from_gguf(fields), 2048, None, SamplingParams())
+    case = small["infill_fim_sep"]["prompt"]
+    req, [ids] = _infill_prompts(model, {**case["request"], "n_predict": 3, "temperature": 0}, SamplingParams(),
+                                 2048)
+    assert ids == case["logged_prompt"]
+    assert (req.params.max_tokens, req.params.temperature, req.stream) == (3, 0.0, False)
+    with pytest.raises(InvalidRequest):
+        _infill_prompts(model, {"input_suffix": "x", "top_k": "no"}, SamplingParams(), 2048)
