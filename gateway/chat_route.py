@@ -63,7 +63,8 @@ async def chat_completions(request, state):
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), shown,
                                 include_usage=chat.include_usage)
         requests = [GenerateRequest(prompt, chat.params, request_id=completion.id if chat.n == 1 else
-                                    f"{completion.id}-{j}") for j in range(chat.n)]
+                                    f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream)
+                    for j in range(chat.n)]
         try:
             with state.monitoring.answer() as answer:
                 if chat.stream:
@@ -121,6 +122,9 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
             if response is None:
                 response = await request.respond(content_type="text/event-stream",
                                                   headers={"Cache-Control": "no-cache"})
+            if out.progress is not None:  # return_progress: a role delta with the prompt's progress (b11434)
+                await response.send(completion.progress_chunk(j, out.progress.to_json()))
+                continue
             if not opened[j]:
                 opened[j] = True
                 # the role delta opens the choice; the first token's entry rides on it when it has no text

@@ -11,7 +11,8 @@ reads it, before any model work, and the prompt's tokens once the model is held.
    table's own `Field 'n': Value must be between 1 <= value <= N` with N = `[engine] max_seqs`,
    llama-server's n_parallel);
 4. ours (chat_request.refuse_unsupported, the same refusals as a chat: `echo` among them), less
-   `timings_per_token`, honoured (every output carries the engine thread's timeline); on the OpenAI
+   `timings_per_token` and `return_progress`, honoured (every output carries the engine thread's
+   timeline; the engine reports each prefill chunk of a request that asks); on the OpenAI
    routes `suffix` and `best_of` (b11434 ignores all three, which would answer something else than
    what the client asked for).
 
@@ -47,6 +48,7 @@ class CompletionRequest:
     include_usage: bool
     response_fields: list | None
     raw: dict  # the request after the OpenAI layer, for /infill's own fields
+    return_progress: bool = False  # prompt progress events (streamed only, as llama-server)
 
 
 def oai_layer(body: Any) -> dict:
@@ -81,7 +83,10 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
         doc = oai_layer(doc)
     p = read_fields(doc, defaults, n_max=N_UNBOUNDED)
     timings_per_token = bool(p.get("timings_per_token"))
-    p["timings_per_token"] = False  # honoured here (refuse_unsupported refuses it for the rest)
+    return_progress = bool(p.get("return_progress"))
+    # honoured here: every output carries the engine thread's timeline, the engine reports each
+    # prefill chunk (refuse_unsupported refuses both for what does not)
+    p["timings_per_token"] = p["return_progress"] = False
     refuse_unsupported(p, doc, [])
     if oai:
         _refuse_oai(original)
@@ -89,7 +94,7 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
     fields_ = p.get("response_fields")
     return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
                              timings_per_token, bool(p["include_usage"]),
-                             fields_ if isinstance(fields_, list) and fields_ else None, doc)
+                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress)
 
 
 def check_n(n: int, n_parallel: int) -> None:

@@ -124,7 +124,9 @@ async def _complete(request, state, kind: Kind):
         prefix = "cmpl" if kind is Kind.OAI else "cmpl"
         answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), shown, req,
                         params_json(req.params, stream=req.stream, timings_per_token=req.timings_per_token))
-        requests = [GenerateRequest(ids, req.params, request_id=f"{answer.id}-{i * req.n + j}")
+        progress = req.return_progress and req.stream  # llama-server: progress is for streams only
+        requests = [GenerateRequest(ids, req.params, request_id=f"{answer.id}-{i * req.n + j}",
+                                    return_progress=progress)
                     for i, ids in enumerate(prompts) for j in range(req.n)]
         texts = [model.tokenizer.decode(ids, True) for ids in prompts] if kind is not Kind.OAI else []
         try:
@@ -211,6 +213,10 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer,
             if response is None:
                 response = await request.respond(content_type="text/event-stream",
                                                   headers={"Cache-Control": "no-cache"})
+            if out.progress is not None:  # return_progress: how far the prompt has come
+                await response.send(w.event(w.oai_progress(a.id, a.created, a.model, i, out) if a.kind is Kind.OAI
+                                            else w.llama_progress(i, out)))
+                continue
             if out.utf8_complete:  # llama-server's partial result for this token
                 entries = [_entry(out)] if with_probs and out.logprobs is not None else []
                 await response.send(w.event(_partial(a, i, out, entries)))

@@ -8,7 +8,8 @@
   answer keys it by the whole path). Streamed, one event per token, `{"index", "content", "tokens",
   "stop": false, "id_slot", "tokens_predicted", "tokens_evaluated", ["timings"],
   ["completion_probabilities"]}`, then the final object with the stream's empty `content`; no
-  `[DONE]` (llama-server sends none on this route).
+  `[DONE]` (llama-server sends none on this route). With return_progress, `prompt_progress` events
+  come first: one as the prompt starts, one after each prefill chunk.
 - `/v1/completions` (`to_json_oaicompat`; `/completions` is /completion's alias in b11434): `{"choices": [{"text", "index", "logprobs", "finish_reason"}],
   "created", "model", "system_fingerprint", "object": "text_completion", "usage", "id", "timings"}`;
   streamed, the same shape per token with `finish_reason` null and `timings` only when asked
@@ -25,8 +26,8 @@ from gateway.openai_chat import SYSTEM_FINGERPRINT, timings, usage
 from gateway.openai_chat import _event as event
 from model.messages import StepOutput
 
-__all__ = ["event", "nested_values", "partial_timings", "llama_final", "llama_partial", "oai_choice", "oai_body",
-           "oai_chunk"]
+__all__ = ["event", "nested_values", "partial_timings", "llama_final", "llama_partial", "llama_progress",
+           "oai_choice", "oai_body", "oai_chunk", "oai_progress"]
 
 
 def nested_values(paths: list, obj: dict) -> dict:
@@ -66,6 +67,19 @@ def llama_partial(index: int, out: StepOutput, *, with_timings: bool, entries: l
     if entries:
         res["completion_probabilities"] = entries
     return res
+
+
+def llama_progress(index: int, out: StepOutput) -> dict:
+    """A prompt progress event (return_progress), as b11434 writes it: its `tokens` is `[0]` there
+    (a result without a token, recorded), kept for its clients."""
+    return {"index": index, "content": "", "tokens": [0], "stop": False, "id_slot": -1, "tokens_predicted": 0,
+            "tokens_evaluated": out.prompt_tokens, "prompt_progress": out.progress.to_json()}
+
+
+def oai_progress(cmpl_id: str, created: int, model: str, index: int, out: StepOutput) -> dict:
+    chunk = oai_chunk(cmpl_id, created, model, oai_choice(index, "", None, None), None)
+    chunk["prompt_progress"] = out.progress.to_json()
+    return chunk
 
 
 def llama_final(index: int, last: StepOutput, *, content: str, tokens: list[int], model: str, settings: dict,

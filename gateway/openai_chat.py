@@ -136,6 +136,12 @@ class Completion:
             return self._chunk([choice], timings=timings(timed))
         return self._chunk([choice])
 
+    def progress_chunk(self, index: int, progress: dict) -> bytes:
+        """return_progress: a role delta carrying `prompt_progress`, as b11434 sends one as the prompt
+        starts and after each prefill chunk (the role delta still opens the answer after them)."""
+        choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
+        return self._chunk([choice], prompt_progress=progress)
+
     def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False) -> bytes:
         """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one
         (all of them with timings_per_token, else `cache_n`)."""

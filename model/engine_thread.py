@@ -326,6 +326,9 @@ class EngineThread:
             job = self._live.get(task)
             if job is None:
                 continue
+            if out.progress is not None:  # a prefill chunk's progress: no token yet, nothing to stamp
+                job.emit(out)
+                continue
             now = time.perf_counter()
             if job.first_token_s is None:
                 job.first_token_s = now
