@@ -181,8 +181,8 @@ def test_a_prompt_over_the_context_is_the_exceed_context_400(server):
 def test_refused_fields_are_400s_naming_them(server):
     r = post(server, "/completion", {"prompt": "hi", "n_probs": 2, "post_sampling_probs": True})
     assert r.status_code == 400 and "post_sampling_probs" in r.json()["error"]["message"]
-    r = post(server, "/completion", {"prompt": "hi", "return_progress": True})
-    assert r.status_code == 400 and "return_progress" in r.json()["error"]["message"]
+    r = post(server, "/completion", {"prompt": "hi", "mirostat": 2})
+    assert r.status_code == 400 and "'mirostat'" in r.json()["error"]["message"]
 
 
 class _Tok:
