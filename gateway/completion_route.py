@@ -14,7 +14,8 @@
    (generation.py), so they decode together;
 6. written as llama-server writes them (completion_writer.py): one object, or a list for several
    sequences (the OpenAI route: one object whose `choices` hold them all, as llama-server merges
-   them), or SSE events as the tokens come; each sequence's receipt over the text exactly as sent.
+   them), or SSE events as the tokens come; each sequence's receipt over the text exactly as sent
+   (streamed: a key of its final event, which has no text).
 A client that goes away cancels the handler, and leaving the generations cancels every sequence.
 """
 
@@ -229,11 +230,12 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer,
                 if sent_entries[i]:
                     tally.logprobs(sent_entries[i])
                 monitored.record(_stem(loaded), out)
-                await response.send(w.event(_final_event(a, i, out, texts, n, has_new_line[i])))
-                receipt = {"index": i, "bankml_receipt": tally.receipt_for(loaded)}
-                if a.kind is Kind.OAI:
-                    receipt = {"choices": [], **receipt}
-                await response.send(w.event(receipt))
+                # the receipt rides on the sequence's final event, which carries no text: after all of
+                # it, and no event of its own (llama-server's clients read `stop` on every /completion
+                # event, and `choices[0]` on every /v1/completions chunk)
+                final = _final_event(a, i, out, texts, n, has_new_line[i])
+                final["bankml_receipt"] = tally.receipt_for(loaded)
+                await response.send(w.event(final))
         if response is not None:
             if a.kind is Kind.OAI:
                 await response.send(DONE_EVENT)

@@ -14,8 +14,10 @@
   "created", "model", "system_fingerprint", "object": "text_completion", "usage", "id", "timings"}`;
   streamed, the same shape per token with `finish_reason` null and `timings` only when asked
   (timings_per_token), then the final chunk, then `[DONE]`.
-Every answer carries `bankml_receipt`: a key of each answer object, or (streamed) an event of its own
-after the sequence's last one, `{"index", "bankml_receipt"}` (`"choices": []` too on the OpenAI route).
+Every answer carries `bankml_receipt`: a key of each answer object (of each choice when there are
+several), or (streamed) a key of the sequence's final event, which carries no text: an event of its
+own would break llama-server's clients (its test suite reads `stop` on every /completion event, the
+`openai` client `choices[0]` on every chunk).
 """
 
 from __future__ import annotations

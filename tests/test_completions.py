@@ -123,12 +123,12 @@ def test_completion_streams_one_event_per_token_then_the_final_one_and_the_recei
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     evs = events(r.text)
     assert "[DONE]" not in evs  # llama-server's own route sends none
-    partials, final, receipt = evs[:3], evs[3], evs[4]
+    assert len(evs) == 4 and all("stop" in e for e in evs)  # llama-server's clients read it on every event
+    partials, final = evs[:3], evs[3]
     assert all(list(e) == PARTIAL_KEYS and e["stop"] is False for e in partials)
     assert [e["tokens"] for e in partials] == [[1000], [1001], [1002]]
-    assert list(final) == FINAL_KEYS and final["stop"] is True and final["content"] == ""
-    assert receipt["index"] == 0
-    assert receipt["bankml_receipt"]["response_sha256"] == sha("".join(e["content"] for e in partials))
+    assert list(final) == [*FINAL_KEYS, "bankml_receipt"] and final["stop"] is True and final["content"] == ""
+    assert final["bankml_receipt"]["response_sha256"] == sha("".join(e["content"] for e in partials))
 
 
 def test_timings_per_token_puts_timings_on_every_event(server):
@@ -240,10 +240,10 @@ def test_v1_completions_with_the_openai_client_plain_and_streamed(server):
     assert plain.choices[0].finish_reason == "length" and plain.system_fingerprint.startswith("b")
     assert (plain.usage.prompt_tokens, plain.usage.completion_tokens) == (2, 3)
     assert plain.model_extra["bankml_receipt"]["response_sha256"] == sha(plain.choices[0].text)
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model="Tiny-Model.Q8_0.gguf",
-                                                                         prompt="hi", stream=True)
-                       if ch.choices)
-    assert streamed == REPLY
+    # every chunk has a choice (llama.cpp's own test reads choices[0] on each), the receipt on the last
+    chunks = list(c.completions.create(model="Tiny-Model.Q8_0.gguf", prompt="hi", stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == REPLY
+    assert chunks[-1].model_extra["bankml_receipt"]["response_sha256"] == sha(REPLY)
 
 
 def test_v1_completions_body_and_stream_in_llama_servers_shape(server):
@@ -258,8 +258,8 @@ def test_v1_completions_body_and_stream_in_llama_servers_shape(server):
     assert [e["choices"][0]["text"] for e in evs[:3]] == ["Sav", "ante", ""]
     assert [e["choices"][0]["finish_reason"] for e in evs[:3]] == [None, None, "length"]
     assert "timings" not in evs[0] and evs[2]["usage"]["completion_tokens"] == 2
-    assert evs[3]["choices"] == [] and evs[3]["bankml_receipt"]["response_sha256"] == sha("Savante")
-    assert evs[4] == "[DONE]"
+    assert evs[2]["bankml_receipt"]["response_sha256"] == sha("Savante")  # on the last chunk: every one has choices
+    assert len(evs) == 4 and evs[3] == "[DONE]"
 
 
 def test_v1_completions_n_and_a_list_of_prompts_are_choices_by_index(server):
@@ -335,11 +335,12 @@ def test_the_shapes_are_the_recorded_ones(server):
     assert list(ours["usage"]) == list(theirs["usage"])
     evs = events(post(server, "/completion", {"prompt": "hi", "n_predict": 2, "stream": True}).text)
     theirs = answers["stream"]["events"]
-    assert list(evs[0]) == list(theirs[0]) and list(evs[2]) == list(theirs[-1])
+    assert list(evs[0]) == list(theirs[0]) and list(evs[2]) == [*theirs[-1], "bankml_receipt"]
     evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
     theirs = answers["oai_stream"]["events"]
     assert [k for k in evs[0] if k not in VOLATILE] == list(theirs[0])
-    assert [k for k in evs[2] if k not in VOLATILE] == list(theirs[-2]) and evs[-1] == theirs[-1] == "[DONE]"
+    assert [k for k in evs[2] if k not in VOLATILE] == [*theirs[-2], "bankml_receipt"]
+    assert evs[-1] == theirs[-1] == "[DONE]"
     chat = post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2}).json()
     theirs = answers["chat_n2"]["body"]
     assert [k for k in chat["choices"][1] if k != "bankml_receipt"] == list(theirs["choices"][1])
