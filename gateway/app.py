@@ -39,6 +39,7 @@ from gateway import (
     ollama_create,
     ollama_models,
 )
+from gateway import llama_refusals as refusals  # issue 15 C
 from gateway.chat_route import chat_completions
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
@@ -89,6 +90,38 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/infill"): completion_route.infill,
     ("POST", "/chat/completions"): chat_completions,
     ("GET", "/models"): llama_routes.models,
+    # issue 15 C: llama-server's small endpoints, and a refusal by name for each route of its b11434 we
+    # do not serve (llama_refusals.py); /completion(s), /infill, /chat/completions, /models and the
+    # embeddings are A's and B's
+    ("GET", "/v1/health"): llama_routes.health,
+    ("POST", "/detokenize"): llama_routes.detokenize,
+    ("POST", "/props"): llama_routes.change_props,
+    ("POST", "/slots/0"): refusals.SLOT_ACTION,  # and ?action=...; paths match exactly: other ids are 404
+    ("POST", "/rerank"): refusals.RERANK,
+    ("POST", "/reranking"): refusals.RERANK,
+    ("POST", "/v1/rerank"): refusals.RERANK,
+    ("POST", "/v1/reranking"): refusals.RERANK,
+    ("GET", "/lora-adapters"): refusals.lora_adapters,
+    ("POST", "/lora-adapters"): refusals.LORA_CHANGE,
+    ("POST", "/v1/messages"): refusals.ANTHROPIC,
+    ("POST", "/v1/messages/count_tokens"): refusals.ANTHROPIC,
+    ("POST", "/v1/responses"): refusals.RESPONSES,
+    ("POST", "/responses"): refusals.RESPONSES,
+    ("POST", "/v1/responses/input_tokens"): refusals.RESPONSES,
+    ("POST", "/responses/input_tokens"): refusals.RESPONSES,
+    ("POST", "/v1/chat/completions/input_tokens"): llama_routes.count_tokens,
+    ("POST", "/chat/completions/input_tokens"): llama_routes.count_tokens,
+    ("POST", "/v1/chat/completions/control"): refusals.CONTROL,
+    ("POST", "/v1/audio/transcriptions"): refusals.TRANSCRIPTIONS,
+    ("POST", "/audio/transcriptions"): refusals.TRANSCRIPTIONS,
+    ("POST", "/v1/systemone"): refusals.SYSTEMONE,
+    ("GET", "/v1/stream"): refusals.STREAMS,
+    ("DELETE", "/v1/stream"): refusals.STREAMS,
+    ("POST", "/v1/streams/lookup"): refusals.STREAMS,
+    ("GET", "/cors-proxy"): refusals.feature_disabled,
+    ("POST", "/cors-proxy"): refusals.feature_disabled,
+    ("GET", "/tools"): refusals.feature_disabled,
+    ("POST", "/tools"): refusals.feature_disabled,
 }
 
 

@@ -1,14 +1,17 @@
 """llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
 
 They name no model: they use the most recently used resident one, or verify and load the startup
-model (kept forever). `/health` and `/v1/models` never load; `/health` is 503 with the reason while
-the startup model is unusable (its file changed and does not verify again, or it failed to load) or
-the engine thread of the model it reports is gone, so a balancer routes away. `/v1/models` lists
-every pin of the registry. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
-otherwise stall every other client), on a thread of their own: a burst of /tokenize calls queues
-behind itself, never in front of the chat answers, which use the loop's default pool. `/slots` is
-the current model's scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of
-them), in llama-server's shape.
+model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; `/health` is 503 with
+the reason while the startup model is unusable (its file changed and does not verify again, or it
+failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
+`/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
+b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` reads a chat body as
+/v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
+MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
+calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
+`/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
+max_seqs` of them), in llama-server's shape. The routes of llama-server we do not serve are refused
+by name in llama_refusals.py.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bankml import __version__, jstr
-from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, Overloaded
-from gateway.chat_request import check_messages, parse_body
+from bankml import jstr
+from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
+from gateway.chat_request import has_tools, openai_layer, parse_body
 from gateway.errors import json_response
+from gateway.json_values import get_bool, json_value
+from gateway.llama_props import props_json
 from gateway.llama_text import detokenize_body, tokenize_body
 from gateway.ollama_models import v1_models_data
 from gateway.params_json import params_json
@@ -48,18 +53,14 @@ async def health(request, state):
 
 
 async def props(request, state):
+    """llama-server's `GET /props` (gateway/llama_props.py says what each field holds)."""
     loaded = await state.residency.current()
-    m = loaded.model
-    d = m.defaults
-    return json_response(jstr.dumps({
-        "model_path": loaded.path,
-        "n_ctx": m.n_ctx,
-        "default_generation_settings": {
-            "n_ctx": m.n_ctx,
-            "params": {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p},
-        },
-        "build_info": f"bankML {__version__} native",
-    }))
+    return json_response(jstr.dumps(await _off_loop(props_json, loaded)))
+
+
+async def change_props(request, state):
+    """`POST /props`: refused as llama-server refuses it without `--props` (there is nothing to change)."""
+    raise NotServed("This server does not support changing global properties. Start it with `--props`")
 
 
 async def models(request, state):
@@ -86,13 +87,40 @@ async def detokenize(request, state):
 
 
 async def apply_template(request, state):
+    """llama-server's `POST /apply-template`: the chat body read as /v1/chat/completions reads it
+    (oaicompat_chat_params_parse, its 400s), and the prompt its template makes, `{"prompt"}`."""
     req = await _off_loop(parse_body, request.body)
-    if not isinstance(req, dict) or "messages" not in req:
-        raise InvalidRequest("no messages")
-    messages = await _off_loop(check_messages, req["messages"])  # as a chat reads them, content parts too
+    _, messages = await _off_loop(openai_layer, req)  # as a chat reads them, content parts too
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    prompt = await _off_loop(loaded.model.render, messages)
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
     return json_response(jstr.dumps({"prompt": prompt}))
+
+
+async def count_tokens(request, state):
+    """llama-server's `POST /v1/chat/completions/input_tokens` (handle_count_tokens): the chat body's
+    prompt, templated as /apply-template makes it and tokenized with BOS and special tokens, counted."""
+    req = await _off_loop(parse_body, request.body)
+    _, messages = await _off_loop(openai_layer, req)
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    loaded = await state.residency.current()
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
+    tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
+    return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
+
+
+def refuse_template_changes(req: dict, messages: list[dict]) -> None:
+    """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
+    if has_tools(req):
+        raise NotSupported("'tools' is not supported by bankml serve --native yet")
+    if json_value(req, "chat_template_kwargs", {}):
+        raise NotSupported("'chat_template_kwargs' is not supported by bankml serve --native yet")
+    if any("tool_calls" in m for m in messages):
+        raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
+    if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
+        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 
 
 @takes_query
