@@ -30,7 +30,15 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
+from gateway import (
+    bankml_routes,
+    completion_route,
+    llama_routes,
+    monitor_routes,
+    ollama_chat,
+    ollama_create,
+    ollama_models,
+)
 from gateway import llama_refusals as refusals  # issue 15 C
 from gateway.access import Access
 from gateway.chat_route import chat_completions
@@ -76,6 +84,13 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/api/create"): ollama_create.create,
     ("POST", "/api/copy"): ollama_create.copy,
     ("DELETE", "/api/delete"): ollama_create.delete,
+    # issue 15 A: completions (llama-server's own and its alias, OpenAI's legacy), /infill, llama-server's aliases
+    ("POST", "/completion"): completion_route.completion,
+    ("POST", "/completions"): completion_route.completion,  # llama-server's alias of /completion (recorded)
+    ("POST", "/v1/completions"): completion_route.completions_oai,
+    ("POST", "/infill"): completion_route.infill,
+    ("POST", "/chat/completions"): chat_completions,
+    ("GET", "/models"): llama_routes.models,
     # issue 15 C: llama-server's small endpoints, and a refusal by name for each route of its b11434 we
     # do not serve (llama_refusals.py); /completion(s), /infill, /chat/completions, /models and the
     # embeddings are A's and B's

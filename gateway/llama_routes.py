@@ -29,8 +29,9 @@ from gateway.json_values import get_bool, json_value
 from gateway.llama_props import props_json
 from gateway.llama_text import detokenize_body, tokenize_body
 from gateway.ollama_models import v1_models_data
+from gateway.params_json import params_json
 from gateway.sanic_app import query_of, takes_query
-from model.messages import SamplingParams, SequenceState
+from model.messages import SequenceState
 
 _TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
 
@@ -150,7 +151,8 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
     out["n_prompt_tokens_processed"] = max(0, seq.n_prompt_done - seq.n_cached)
     out["n_prompt_tokens_cache"] = seq.n_cached
     if seq.params is not None:
-        out["params"] = _params_json(seq.params)
+        # llama-server's task params (gateway/params_json.py), its stop strings left out (see above)
+        out["params"] = {k: v for k, v in params_json(seq.params).items() if k != "stop"}
     out["next_token"] = [{
         "has_next_token": True,  # a sequence that stopped has left its slot
         "has_new_line": False,  # llama-server tracks it for n_indent, which this engine does not take
@@ -159,37 +161,3 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
         "stopping_word": "",
     }]
     return out
-
-
-def _params_json(p: SamplingParams) -> dict[str, Any]:
-    """llama-server's `slot_params::to_json` (tools/server/server-task.cpp), for the fields this
-    engine has; the ones it refuses unless neutral (mirostat's tau and eta, grammars, logit_bias) are
-    left out."""
-    return {
-        "seed": p.seed & 0xFFFFFFFF,  # llama-server's seed is a uint32: -1 (random) reads 4294967295
-        "temperature": p.temperature,
-        "dynatemp_range": p.dynatemp_range,
-        "dynatemp_exponent": p.dynatemp_exponent,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "top_n_sigma": p.top_n_sigma,
-        "xtc_probability": p.xtc_probability,
-        "xtc_threshold": p.xtc_threshold,
-        "typical_p": p.typical_p,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "dry_multiplier": p.dry_multiplier,
-        "dry_base": p.dry_base,
-        "dry_allowed_length": p.dry_allowed_length,
-        "dry_penalty_last_n": p.dry_penalty_last_n,
-        "dry_sequence_breakers": list(p.dry_sequence_breakers),
-        "mirostat": p.mirostat,
-        "max_tokens": p.max_tokens,
-        "n_predict": p.max_tokens,
-        "n_probs": p.n_probs,
-        "min_keep": p.min_keep,
-        "samplers": list(p.samplers),
-    }

@@ -44,6 +44,9 @@ class FakeTokenizer:
     def token_to_piece(self, token: int, special: bool) -> bytes:
         return bytes([token])
 
+    def decode(self, ids, special: bool = False) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
 
 class FakeEngine(GeneratorBatch):
     on_accelerator = False  # what /api/ps's size_vram reads: a CPU's engine

@@ -93,8 +93,8 @@ def test_openai_client_plain_and_streamed_agree_and_their_receipts_check_out(ser
     assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (plain.usage.prompt_tokens, 9)
     assert isinstance(receipt["ttft_ms"], int) and 0 <= receipt["ttft_ms"] <= receipt["wall_ms"]
     timings = plain.model_extra["timings"]
-    assert list(timings) == ["cache_n", "prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
-                             "predicted_ms", "predicted_per_second"]
+    assert list(timings) == ["cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+                             "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second"]
     assert timings["predicted_n"] == 9 and timings["prompt_n"] == plain.usage.prompt_tokens
 
     pieces, streamed_receipt, finish, usage = [], None, None, None
