@@ -47,7 +47,8 @@ commands:
   bankml verify [FILE --fork F] [--rule-set mainline] [--json]
   bankml fork FILE [-o OUT]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
-               [--registry [DIR]] [--keep-alive DUR]
+               [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
+               [--chat-template-file FILE]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml gpu-check [--json]
@@ -193,6 +194,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
                    help="--native: also serve every model pinned by a *.FORK.json in DIR (a bare flag: "
                         "$BANKML_FORKS, else ~/.local/share/bankml/forks)")
+    p.add_argument("--api-key", metavar="KEY", action="append", dest="api_keys",
+                   help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health, "
+                        "/v1/health and / (repeatable: any of the keys; a 401 otherwise; `ps` shows it: prefer --api-key-file)")
+    p.add_argument("--api-key-file", metavar="F",
+                   help="API keys, one per line (# comments and blank lines skipped; [serve] api_key_file); "
+                        "a file others may read is a warning")
+    p.add_argument("--allow-origin", metavar="O,...", action="append", dest="allow_origin",
+                   help="admit these browser origins (scheme://host[:port], exactly; [serve] allowed_origins): "
+                        "CORS preflights are answered for them only, any other Origin is refused (403)")
+    p.add_argument("--chat-template-file", metavar="FILE",
+                   help="--native: this Jinja template replaces the startup model's GGUF chat template "
+                        "([serve] chat_template_file); read once at start: a later change is not seen")
 
 
 def serve_options_of(args: argparse.Namespace) -> ServeOptions:
@@ -200,7 +213,8 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
     return serve_options(load_config(args.config), listen=args.listen, upstream=args.upstream, threads=args.threads,
                          ctx=args.ctx, keep_alive=args.keep_alive, native=args.native, spawn=args.spawn,
                          spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set,
-                         registry=args.registry)
+                         registry=args.registry, api_keys=args.api_keys, api_key_file=args.api_key_file,
+                         allow_origin=args.allow_origin, chat_template_file=args.chat_template_file)
 
 
 # --- the model and its pin ---------------------------------------------------------------------

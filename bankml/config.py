@@ -20,7 +20,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from bankml import serve_files
 from bankml.errors import ConfigInvalid
+from bankml.serve_files import ChatTemplateFile
 
 RULE_SETS = ("mainline",)  # the guard's only rule set: the Bonsai/prism rules are out of scope
 
@@ -36,6 +38,12 @@ class ServeConfig:
     spec_ngram: bool = False  # P0: --spec-type ngram-simple
     slot_dir: str = ""  # P0: llama-server's --slot-save-path ("" = none); --native has no slot files yet
     shutdown_grace_s: float = 10.0  # SIGTERM/SIGINT: answers in flight get this long to finish, then end
+    # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /v1/health and /
+    # then needs `Authorization: Bearer KEY` or `x-api-key: KEY` (bankml/serve_files.py reads it)
+    api_key_file: str = ""
+    # browser origins admitted besides the server's own (scheme://host[:port]; --allow-origin O,...)
+    allowed_origins: tuple[str, ...] = ()
+    chat_template_file: str = ""  # --native: replaces the startup model's GGUF chat template (read once)
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,7 @@ _CHECKS = {
     "serve.ctx": _positive,
     "serve.keep_alive": parse_keep_alive,
     "serve.rule_set": _rule_set,
+    "serve.allowed_origins": lambda value, what: serve_files.parse_origins(value, what),
     **{f"limits.{f.name}": _positive for f in fields(LimitsConfig)},
     "limits.drain_ms": _not_negative,  # 0: refusals close at once
     "engine.max_seqs": _positive,
@@ -198,6 +207,8 @@ def _read(name: str) -> tuple[str, dict]:
 
 
 def _type_ok(want: type, value: Any) -> bool:
+    if want is tuple:  # a list of strings (allowed_origins)
+        return type(value) is list and all(type(v) is str for v in value)
     if want is float:
         return type(value) in (float, int)  # TOML writes 30 for 30.0
     return type(value) is want  # bool is not int here: `ctx = true` is refused
@@ -222,7 +233,8 @@ def _over(base: Any, table: dict, source: str, where: str) -> Any:
             continue
         want = type(current)
         if not _type_ok(want, value):
-            raise ConfigInvalid(f"{source}: {dotted!r} must be {want.__name__}, not {type(value).__name__}")
+            wanted = "a list of strings" if want is tuple else want.__name__
+            raise ConfigInvalid(f"{source}: {dotted!r} must be {wanted}, not {type(value).__name__}")
         check = _CHECKS.get(dotted)
         if check is not None:
             check(value, f"{source}: {dotted!r}")
@@ -259,6 +271,9 @@ class ServeOptions:
     config: Config
     registry_dir: str | None = None  # --native: the directory of *.FORK.json pins (None: the startup model only)
     max_loaded: int = 3  # models resident at once
+    api_keys: tuple[str, ...] = ()  # none: no key is asked for
+    allowed_origins: tuple[str, ...] = ()  # serialized origins, as browsers send them
+    chat_template: ChatTemplateFile | None = None  # --native: the startup model's template, replaced
 
     @property
     def compat_listen(self) -> tuple[str, int]:
@@ -270,11 +285,14 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   threads: int | None = None, ctx: int | None = None, keep_alive: str | None = None,
                   native: bool = False, spawn: str | None = None, spec_ngram: bool = False,
                   slot_dir: str | None = None, rule_set: str | None = None,
-                  registry: str | None = None) -> ServeOptions:
+                  registry: str | None = None, api_keys: list[str] | None = None, api_key_file: str | None = None,
+                  allow_origin: list[str] | None = None, chat_template_file: str | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, slot files with --native,
     a registry without --native. `registry`: the --registry directory ("" for a bare flag: $BANKML_FORKS,
-    else ~/.local/share/bankml/forks); it must be a directory."""
+    else ~/.local/share/bankml/forks); it must be a directory. The API keys (the flags' and the key
+    file's), the allowed origins (the flags' over the config's) and the chat template file are read and
+    checked here (bankml/serve_files.py)."""
     s = config.serve
     registry_dir = config.registry.dir if registry is None else registry or default_registry_dir()
     if registry_dir and not native:
@@ -292,6 +310,16 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         if slot_dir or s.slot_dir:
             raise ConfigInvalid("--slot-dir / [serve] slot_dir: --native has no slot files yet (only P0 passes "
                                 "--slot-save-path to llama-server)")
+    template_path = s.chat_template_file if chat_template_file is None else chat_template_file
+    if template_path and not native:
+        raise ConfigInvalid("--chat-template-file / [serve] chat_template_file: the template is --native's (P0's "
+                            "llama-server renders with its own; give it --chat-template-file)")
+    keys = serve_files.flag_keys(api_keys)
+    key_file = s.api_key_file if api_key_file is None else api_key_file
+    if key_file:
+        keys += serve_files.read_key_file(key_file, "--api-key-file" if api_key_file else "[serve] api_key_file")
+    origins = (serve_files.parse_origins(allow_origin, "--allow-origin") if allow_origin
+               else serve_files.parse_origins(list(s.allowed_origins), "[serve] allowed_origins"))
     keep_alive_text = s.keep_alive if keep_alive is None else keep_alive
     chosen_rule_set = s.rule_set if rule_set is None else rule_set
     _rule_set(chosen_rule_set, "--rule-set")
@@ -309,6 +337,9 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         config=config,
         registry_dir=registry_dir or None,
         max_loaded=config.registry.max_loaded,
+        api_keys=tuple(dict.fromkeys(keys)),
+        allowed_origins=origins,
+        chat_template=serve_files.read_chat_template(template_path, "--chat-template-file") if template_path else None,
     )
 
 

@@ -76,12 +76,21 @@ class RequestFailed(BankmlError):
     tools/server, e.g. "Failed to parse messages"): kept as a 500 so its clients see what they expect."""
 
 
+class Unauthorized(BankmlError):
+    """The request carries none of the configured API keys (llama-server's 401 "Invalid API Key")."""
+
+
 class ContextExceeded(InvalidRequest):
     """The prompt does not fit in the context (llama-server's exceed_context_size_error)."""
 
 
 class NotSupported(InvalidRequest):
     """A request asks for something bankml cannot honour yet; refused by name, never ignored."""
+
+
+class NotServed(BankmlError):
+    """llama-server's not_supported_error (501): an endpoint or feature this server or model does not
+    offer (POST /props without --props, /infill on a model without FIM tokens, /reranking...)."""
 
 
 # --- the backend ----------------------------------------------------------------------------------
@@ -151,8 +160,10 @@ TABLE: dict[type[BankmlError], Codes] = {
     RouteNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
     InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
+    Unauthorized: Codes(401, 401, 401, "authentication_error", EXIT_REFUSED),
     ContextExceeded: Codes(400, 400, 400, "exceed_context_size_error", EXIT_UNREADABLE),
     NotSupported: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
+    NotServed: Codes(501, 501, 501, "not_supported_error", EXIT_UNREADABLE),
     EngineFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
     EngineGone: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     Overloaded: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),

@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sanic import Sanic
@@ -30,7 +30,17 @@ from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.verify import GatedModel
-from gateway import bankml_routes, llama_routes, monitor_routes, ollama_chat, ollama_create, ollama_models
+from gateway import (
+    bankml_routes,
+    completion_route,
+    llama_routes,
+    monitor_routes,
+    ollama_chat,
+    ollama_create,
+    ollama_models,
+)
+from gateway import llama_refusals as refusals  # issue 15 C
+from gateway.access import Access
 from gateway.chat_route import chat_completions
 from gateway.embeddings import embedding, oai_embeddings
 from gateway.loopback import Limits, make_protocol
@@ -75,6 +85,45 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/api/create"): ollama_create.create,
     ("POST", "/api/copy"): ollama_create.copy,
     ("DELETE", "/api/delete"): ollama_create.delete,
+    # issue 15 A: completions (llama-server's own and its alias, OpenAI's legacy), /infill, llama-server's aliases
+    ("POST", "/completion"): completion_route.completion,
+    ("POST", "/completions"): completion_route.completion,  # llama-server's alias of /completion (recorded)
+    ("POST", "/v1/completions"): completion_route.completions_oai,
+    ("POST", "/infill"): completion_route.infill,
+    ("POST", "/chat/completions"): chat_completions,
+    ("GET", "/models"): llama_routes.models,
+    # issue 15 C: llama-server's small endpoints, and a refusal by name for each route of its b11434 we
+    # do not serve (llama_refusals.py); /completion(s), /infill, /chat/completions, /models and the
+    # embeddings are A's and B's
+    ("GET", "/v1/health"): llama_routes.health,
+    ("POST", "/detokenize"): llama_routes.detokenize,
+    ("POST", "/props"): llama_routes.change_props,
+    ("POST", "/slots/0"): refusals.SLOT_ACTION,  # and ?action=...; paths match exactly: other ids are 404
+    ("POST", "/rerank"): refusals.RERANK,
+    ("POST", "/reranking"): refusals.RERANK,
+    ("POST", "/v1/rerank"): refusals.RERANK,
+    ("POST", "/v1/reranking"): refusals.RERANK,
+    ("GET", "/lora-adapters"): refusals.lora_adapters,
+    ("POST", "/lora-adapters"): refusals.LORA_CHANGE,
+    ("POST", "/v1/messages"): refusals.ANTHROPIC,
+    ("POST", "/v1/messages/count_tokens"): refusals.ANTHROPIC,
+    ("POST", "/v1/responses"): refusals.RESPONSES,
+    ("POST", "/responses"): refusals.RESPONSES,
+    ("POST", "/v1/responses/input_tokens"): refusals.RESPONSES,
+    ("POST", "/responses/input_tokens"): refusals.RESPONSES,
+    ("POST", "/v1/chat/completions/input_tokens"): llama_routes.count_tokens,
+    ("POST", "/chat/completions/input_tokens"): llama_routes.count_tokens,
+    ("POST", "/v1/chat/completions/control"): refusals.CONTROL,
+    ("POST", "/v1/audio/transcriptions"): refusals.TRANSCRIPTIONS,
+    ("POST", "/audio/transcriptions"): refusals.TRANSCRIPTIONS,
+    ("POST", "/v1/systemone"): refusals.SYSTEMONE,
+    ("GET", "/v1/stream"): refusals.STREAMS,
+    ("DELETE", "/v1/stream"): refusals.STREAMS,
+    ("POST", "/v1/streams/lookup"): refusals.STREAMS,
+    ("GET", "/cors-proxy"): refusals.feature_disabled,
+    ("POST", "/cors-proxy"): refusals.feature_disabled,
+    ("GET", "/tools"): refusals.feature_disabled,
+    ("POST", "/tools"): refusals.feature_disabled,
     # issue 15 B: embeddings (gateway/embeddings.py, gateway/ollama_embed.py; the engine's model/embed.py)
     ("POST", "/v1/embeddings"): oai_embeddings,
     ("POST", "/embeddings"): embedding,  # llama-server's alias of /embedding (its shape, recorded)
@@ -100,6 +149,7 @@ class GatewayState:
     residency: Residency  # which are resident; a route holds one with `async with residency.lease(pin)`
     compat_listen: str  # "host:port" of the second listener (/bankml's "upstream")
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
+    access: Access = field(default_factory=Access)  # the origin and API key rules (the keys as digests only)
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
@@ -172,6 +222,17 @@ def native_monitoring(state: GatewayState) -> Monitoring:
     return monitoring
 
 
+def _log_edge(options: ServeOptions) -> None:
+    """What the edge admits, said once at start (a key itself never: its count only)."""
+    if options.api_keys:
+        log.info("API keys: %d; every route but /health, /v1/health and / needs one", len(options.api_keys))
+    if options.allowed_origins:
+        log.info("browser origins admitted: %s", ", ".join(options.allowed_origins))
+    if options.chat_template:
+        log.info("chat template: %s (sha256 %s) replaces the startup model's; read once, not re-read",
+                 options.chat_template.path, options.chat_template.sha256)
+
+
 def _refuse(why: str) -> int:
     print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
     return 2
@@ -192,14 +253,16 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         return _refuse(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)
-    registry = Registry(gated, options.registry_dir, options.rule_set)
+    template = options.chat_template
+    registry = Registry(gated, options.registry_dir, options.rule_set, template.text if template else None)
     if not registry.startup.native:
         return _refuse(registry.startup.reason or f"{gated.path} cannot be played by this engine")
     several = len(registry.pins) > 1
     loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several)
     residency = Residency(registry, gated, loader, max_loaded=options.max_loaded, budget_bytes=0,
                           default_keep_alive_s=options.keep_alive_s, ctx=options.ctx,
-                          max_waiting=engine_cfg.max_waiting, estimate=estimate or native_estimate(options.ctx, engine_cfg))
+                          max_waiting=engine_cfg.max_waiting, estimate=estimate or native_estimate(options.ctx, engine_cfg),
+                          chat_template=template)
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
         loaded = residency.load_startup()
@@ -234,18 +297,19 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
     compat_listen = _address(*sockets[1].getsockname()[:2])
-    state = GatewayState(registry, residency, compat_listen)
+    state = GatewayState(registry, residency, compat_listen, access=Access.of(options.api_keys, options.allowed_origins))
     state.monitoring = native_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:
         shutdown.add_listener(sock)
     app = create_app(state, limits, shutdown=shutdown)
     for sock in sockets:
-        app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
+        app.prepare(sock=sock, protocol=make_protocol(limits, shutdown, state.access), single_process=True, motd=False,
                     access_log=False)
     v = loaded.verified
     log.info("%s verified (sha256 %s, %s, %s); compiled in %.1f s; engine: %s", loaded.path, v.model_sha256,
              v.arch, v.name, loaded.compile_s, loaded.backend)
+    _log_edge(options)
     for pin in registry.pins[1:]:
         if not pin.native:
             log.warning("%s is listed, not served: %s", pin.file_name, pin.reason)

@@ -1,7 +1,9 @@
 """bankML's own route `GET /bankml` (the native keys): what was verified, and what is resident.
 
 "models" are the registry's names; "resident" the most recently used resident model, "loaded" every
-resident one, most recently used first.
+resident one, most recently used first. Only when started with them: "chat_template_sha256" and
+"chat_template_file" (the --chat-template-file in force for the startup model), "api_keys" (how many
+keys are asked for, never which), "allowed_origins" (admitted besides the server's own origin).
 
 It answers from the most recent verification, so a client (sAGI's models.py reads
 `verified.model_sha256` and `model`) can check what it is talking to before it asks anything. The
@@ -23,6 +25,7 @@ def bankml_info(state) -> dict[str, Any]:
     res = state.residency
     last = res.last
     loaded = [r.name for r in res.resident()]
+    access = getattr(state, "access", None)
     return {
         "verified": last.verified.as_dict() if last else None,
         "model": last.path if last else None,
@@ -33,7 +36,21 @@ def bankml_info(state) -> dict[str, Any]:
         "models": res.names,
         "weights": _weights_report(state),
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
+        **_edge(res, access),
     }
+
+
+def _edge(res, access) -> dict[str, Any]:
+    """Keys only a server started with them has (the Rust bankml's shape stays as it is without)."""
+    out: dict[str, Any] = {}
+    template = getattr(res, "chat_template", None)
+    if template is not None:  # a --chat-template-file in force for the startup model: it changes every prompt
+        out["chat_template_sha256"], out["chat_template_file"] = template.sha256, template.path
+    if access is not None and access.key_digests:  # how many keys are asked for, never which
+        out["api_keys"] = len(access.key_digests)
+    if access is not None and access.allowed_origins:  # admitted besides the server's own origin
+        out["allowed_origins"] = sorted(access.allowed_origins)
+    return out
 
 
 def _weights_report(state) -> dict[str, Any] | None:

@@ -36,6 +36,9 @@ class ChatRequest:
     model: str | None
     add_generation_prompt: bool = True
     include_usage: bool = False  # stream_options.include_usage: usage in a last chunk of its own
+    n: int = 1  # choices, each its own sequence (llama-server's n_cmpl)
+    timings_per_token: bool = False  # `timings` on every streamed chunk
+    return_progress: bool = False  # prompt progress chunks while the prompt is computed (streamed only)
 
 
 def bad(message: str) -> InvalidRequest:
@@ -320,10 +323,15 @@ def parse_chat(body: bytes, defaults: SamplingParams | None = None) -> ChatReque
     return parse_chat_request(parse_body(body), defaults)
 
 
-def parse_chat_request(request: Any, defaults: SamplingParams | None = None) -> ChatRequest:
-    """`parse_chat` on a body already read (`parse_body`): a derived model's layer goes over it first."""
+def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_max: int = 1) -> ChatRequest:
+    """`parse_chat` on a body already read (`parse_body`): a derived model's layer goes over it first.
+    n_max: the bound of `n` (a route that checks it against the engine's sequences later reads it
+    unbounded)."""
     params, messages = openai_layer(request)
-    p = read_fields(params, defaults or SamplingParams())
+    p = read_fields(params, defaults or SamplingParams(), n_max=n_max)
+    timings_per_token, return_progress = bool(p.get("timings_per_token")), bool(p.get("return_progress"))
+    # honoured: every output carries the engine thread's timeline, the engine reports each prefill chunk
+    p["timings_per_token"] = p["return_progress"] = False
     refuse_unsupported(p, request, messages)
     model = request.get("model")
     if model is not None and not isinstance(model, str):
@@ -331,5 +339,5 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None) -> 
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
-                       bool(p["include_usage"]))
+                       bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress)
 

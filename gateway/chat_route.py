@@ -8,13 +8,16 @@
 3. lease the model for the whole answer: loaded if it is not resident (verified first), its file
    still the verified one, or 503 and no receipt (residency.py); it stays resident forever after;
 4. template and tokens (off the loop); a prompt of n_ctx tokens or more is llama-server's 400;
-5. hand the request to the model's own engine queue (engine_client.py) and read this request's outputs; the
-   last one carries the engine thread's timeline and energy of the answer. A queue already holding
+5. hand the request to the model's own engine queue (generation.py: one sequence per choice, `n` of
+   them, at most the engine's sequences, all handed over at once) and read their outputs; the last
+   one of each carries the engine thread's timeline and energy of that choice. A queue already holding
    `[engine] max_waiting` requests refuses it (Overloaded): 503 with Retry-After, nothing sent yet;
 6. write them (openai_chat.py, one `id` for the answer): one JSON answer (the text released, then
-   what was held back at the end, and the logprob entries less the stop word's), or SSE chunks as
-   the pieces form (the role delta first, held-back text never sent, as llama-server); the head of
-   a stream goes out with the first token, so a failure before it is still an ordinary error status;
+   what was held back at the end, and the logprob entries less the stop word's; `n` > 1: its choices
+   by `index`, each with its own receipt), or SSE chunks as the pieces form (each choice's role delta
+   first, held-back text never sent, as llama-server; `timings` on each with timings_per_token); the
+   head of a stream goes out with the first token, so a failure before it is still an ordinary error
+   status;
 7. a completed answer's /bankml/metrics record goes to the monitor (before the answer goes out, so
    a client that asks next sees it); the receipt over the text exactly as sent, then `[DONE]`.
 A client that goes away cancels the handler; leaving the `async with` aborts the generation before
@@ -27,11 +30,12 @@ import asyncio
 import time
 import uuid
 
-from bankml.errors import InvalidRequest
 from gateway.chat_request import parse_body, parse_chat_request
-from gateway.derived import apply_openai, layer_num_ctx
+from gateway.completion_request import N_UNBOUNDED, check_n
+from gateway.completion_route import engine_sequences, resolve_for
 from gateway.engine_client import engine_error
 from gateway.errors import exceed_context, json_response, stream_error
+from gateway.generation import outputs, whole
 from gateway.monitoring import Answer
 from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
 from gateway.receipt import Tally
@@ -44,21 +48,13 @@ async def chat_completions(request, state):
     body = request.body
     # off the loop: a 16 MiB body takes a while to parse, and other clients must not wait for it
     doc = await asyncio.to_thread(parse_body, body)
-    resolved = state.registry.resolve(doc.get("model") if isinstance(doc, dict) else None)
-    n_ctx = state.residency.ctx  # what every engine holds
-    if resolved.derived is not None:
-        layer = resolved.derived.layer
-        doc = apply_openai(layer, doc)
-        num_ctx = layer_num_ctx(layer)
-        if num_ctx is not None and num_ctx > n_ctx:
-            raise InvalidRequest(f"num_ctx {num_ctx} is larger than the context this server holds ({n_ctx}); "
-                                 f"restart bankml serve with --ctx {num_ctx} if it fits in memory")
-        n_ctx = min(n_ctx, num_ctx or n_ctx)
+    resolved, doc, n_ctx = resolve_for(state, doc, by_name=True)
     pin = resolved.pin
     defaults = pin.info.sampling if pin.info is not None else gguf_defaults({})
-    chat = await asyncio.to_thread(parse_chat_request, doc, defaults)
+    chat = await asyncio.to_thread(parse_chat_request, doc, defaults, N_UNBOUNDED)
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
+        check_n(chat.n, engine_sequences(loaded))
         prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
         n_ctx = min(n_ctx, loaded.model.n_ctx)  # a derived model's num_ctx: its prompt must fit in that
         if len(prompt) >= n_ctx:
@@ -66,13 +62,15 @@ async def chat_completions(request, state):
         shown = loaded.file_name if resolved.derived is None else resolved.tag
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), shown,
                                 include_usage=chat.include_usage)
-        engine_request = GenerateRequest(prompt, chat.params, request_id=completion.id)
-        tally = Tally.start(body)
+        requests = [GenerateRequest(prompt, chat.params, request_id=completion.id if chat.n == 1 else
+                                    f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream)
+                    for j in range(chat.n)]
         try:
             with state.monitoring.answer() as answer:
                 if chat.stream:
-                    return await _streamed(request, loaded, engine_request, tally, completion, answer)
-                return await _whole(loaded, engine_request, tally, completion, answer)
+                    return await _streamed(request, loaded, requests, body, completion, answer,
+                                           chat.timings_per_token)
+                return await _whole(loaded, requests, body, completion, answer)
         finally:
             state.residency.touch(pin.name, FOREVER)  # spec §2: /v1 keeps its model forever
 
@@ -81,38 +79,39 @@ def _stem(loaded) -> str:
     return loaded.file_name.removesuffix(".gguf")  # the metrics record's model: the file stem, its case kept
 
 
-async def _whole(loaded, engine_request: GenerateRequest, tally: Tally, completion: Completion,
-                 answer: Answer):
-    pieces: list[str] = []
-    entries: list[dict] = []
-    last: StepOutput | None = None
-    async with loaded.client.generate(engine_request) as generation:
-        async for out in generation:
-            pieces.append(out.text)
-            if out.logprobs is not None:
-                entries.append(logprob_entry(out.logprobs))
-            last = out
-    if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        raise engine_error(loaded.client, last or StepOutput(token=None))
-    answer.record(_stem(loaded), last)
-    # llama-server's non-streamed content is all it generated: what was held back at the end too
-    text = "".join(pieces) + last.held_text
-    if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
-        entries = entries[:max(0, len(entries) - last.logprobs_trim)]
+def _receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
     tally.sent(text)
     if entries:
         tally.logprobs(entries)
     tally.answered(last)
-    receipt = tally.receipt_for(loaded)
-    return json_response(completion.body(text, last, receipt, entries))
+    return tally.receipt_for(loaded)
 
 
-async def _streamed(request, loaded, engine_request: GenerateRequest, tally: Tally,
-                    completion: Completion, answer: Answer):
+async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer):
+    tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
+    done = await whole(loaded, requests, lambda out: logprob_entry(out.logprobs))
+    for f in done:
+        answer.record(_stem(loaded), f.last)
+    if len(done) == 1:
+        f = done[0]
+        return json_response(completion.body(f.text, f.last, _receipt(loaded, tallies[0], f.text, f.last, f.entries),
+                                             f.entries))
+    choices = []
+    for j, f in enumerate(done):  # n > 1: each choice is an answer, with its own receipt
+        choice = completion.choice(j, f.text, f.last, f.entries)
+        choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+        choices.append(choice)
+    return json_response(completion.body_of(choices, done[0].last, None))
+
+
+async def _streamed(request, loaded, requests: list[GenerateRequest], body: bytes, completion: Completion,
+                    answer: Answer, timed: bool):
     response = None
-    sent_entries: list[dict] = []
-    async with loaded.client.generate(engine_request) as generation:
-        async for out in generation:
+    tallies = [Tally.start(body) for _ in requests]
+    sent_entries: list[list[dict]] = [[] for _ in requests]
+    opened = [False] * len(requests)
+    async with outputs(loaded, requests) as stream:
+        async for j, out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 if response is None:
                     raise engine_error(loaded.client, out)
@@ -123,23 +122,30 @@ async def _streamed(request, loaded, engine_request: GenerateRequest, tally: Tal
             if response is None:
                 response = await request.respond(content_type="text/event-stream",
                                                   headers={"Cache-Control": "no-cache"})
-                # the role delta opens the stream; the first token's entry rides on it when it has no text
+            if out.progress is not None:  # return_progress: a role delta with the prompt's progress (b11434)
+                await response.send(completion.progress_chunk(j, out.progress.to_json()))
+                continue
+            if not opened[j]:
+                opened[j] = True
+                # the role delta opens the choice; the first token's entry rides on it when it has no text
                 rides = entry if entry is not None and not out.text else None
-                await response.send(completion.chunk(None, rides))
+                await response.send(completion.chunk(None, rides, j, out if timed and not out.text else None))
                 if rides:
-                    sent_entries += rides
+                    sent_entries[j] += rides
                     entry = None
             if out.text:
-                await response.send(completion.chunk(out.text, entry))
-                tally.sent(out.text)
-                sent_entries += entry or []
+                await response.send(completion.chunk(out.text, entry, j, out if timed else None))
+                tallies[j].sent(out.text)
+                sent_entries[j] += entry or []
             if out.finish_reason is not None:
+                tally = tallies[j]
                 tally.answered(out)
-                if sent_entries:
-                    tally.logprobs(sent_entries)
+                if sent_entries[j]:
+                    tally.logprobs(sent_entries[j])
                 answer.record(_stem(loaded), out)
-                await response.send(completion.final_chunks(out))
-                await response.send(receipt_event(tally.receipt_for(loaded)))
-                await response.send(DONE_EVENT)
-                await response.eof()
+                await response.send(completion.final_chunks(out, j, timed))
+                await response.send(receipt_event(tally.receipt_for(loaded), None if len(requests) == 1 else j))
+        if response is not None:
+            await response.send(DONE_EVENT)
+            await response.eof()
     return None  # the answer went out through `response`

@@ -1,14 +1,17 @@
 """llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
 
 They name no model: they use the most recently used resident one, or verify and load the startup
-model (kept forever). `/health` and `/v1/models` never load; `/health` is 503 with the reason while
-the startup model is unusable (its file changed and does not verify again, or it failed to load) or
-the engine thread of the model it reports is gone, so a balancer routes away. `/v1/models` lists
-every pin of the registry. Reading the body, tokenizing and templating run off the event loop (a 16 MiB body would
-otherwise stall every other client), on a thread of their own: a burst of /tokenize calls queues
-behind itself, never in front of the chat answers, which use the loop's default pool. `/slots` is
-the current model's scheduler's last snapshot (one entry per sequence slot, `[engine] max_seqs` of
-them), in llama-server's shape.
+model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; `/health` is 503 with
+the reason while the startup model is unusable (its file changed and does not verify again, or it
+failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
+`/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
+b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` reads a chat body as
+/v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
+MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
+calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
+`/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
+max_seqs` of them), in llama-server's shape. The routes of llama-server we do not serve are refused
+by name in llama_refusals.py.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bankml import __version__, jstr
-from bankml.errors import EngineGone, InvalidRequest, ModelUnusable, NotSupported, Overloaded
-from gateway.chat_request import check_messages, parse_body
+from bankml import jstr
+from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
+from gateway.chat_request import has_tools, openai_layer, parse_body
 from gateway.errors import json_response
+from gateway.json_values import get_bool, json_value
+from gateway.llama_props import props_json
+from gateway.llama_text import detokenize_body, tokenize_body
 from gateway.ollama_models import v1_models_data
+from gateway.params_json import params_json
 from gateway.sanic_app import query_of, takes_query
-from model.messages import SamplingParams, SequenceState
+from model.messages import SequenceState
 
 _TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
 
@@ -46,18 +53,14 @@ async def health(request, state):
 
 
 async def props(request, state):
+    """llama-server's `GET /props` (gateway/llama_props.py says what each field holds)."""
     loaded = await state.residency.current()
-    m = loaded.model
-    d = m.defaults
-    return json_response(jstr.dumps({
-        "model_path": loaded.path,
-        "n_ctx": m.n_ctx,
-        "default_generation_settings": {
-            "n_ctx": m.n_ctx,
-            "params": {"temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p},
-        },
-        "build_info": f"bankML {__version__} native",
-    }))
+    return json_response(jstr.dumps(await _off_loop(props_json, loaded)))
+
+
+async def change_props(request, state):
+    """`POST /props`: refused as llama-server refuses it without `--props` (there is nothing to change)."""
+    raise NotServed("This server does not support changing global properties. Start it with `--props`")
 
 
 async def models(request, state):
@@ -65,32 +68,59 @@ async def models(request, state):
 
 
 async def tokenize(request, state):
+    """llama-server's `POST /tokenize` (gateway/llama_text.py reads the body as b11434 does)."""
     req = await _off_loop(parse_body, request.body)  # JSON as llama-server reads it (a lone surrogate is a 400)
-    if not isinstance(req, dict):
-        raise InvalidRequest("body is not a JSON object")
-    content = req.get("content")
-    if content is not None and not isinstance(content, str):
-        raise NotSupported("'content' as token ids or a mix of text and ids is not supported by bankml serve "
-                           "--native yet")
-    if req.get("with_pieces") is True:
-        raise NotSupported("'with_pieces' is not supported by bankml serve --native yet")
-    text = content or ""
-    add_special = req.get("add_special") is True  # llama-server: false unless asked
-    parse_special = req.get("parse_special") is not False  # llama-server: true unless refused
     loaded = await state.residency.current()
-    ids = await _off_loop(loaded.model.tokenize, text, add_special, parse_special)
+    tokens = await _off_loop(tokenize_body, loaded.model, req)
+    if tokens and isinstance(tokens[0], dict):
+        return json_response(jstr.dumps({"tokens": tokens}))
     # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
-    return json_response('{"tokens": [' + ",".join(map(str, ids)) + "]}")
+    return json_response('{"tokens": [' + ",".join(map(str, tokens)) + "]}")
+
+
+async def detokenize(request, state):
+    """llama-server's `POST /detokenize`: `{"content"}`, every piece with special tokens rendered."""
+    req = await _off_loop(parse_body, request.body)
+    loaded = await state.residency.current()
+    content = await _off_loop(detokenize_body, loaded.model, req)
+    return json_response(jstr.dumps({"content": content}))
 
 
 async def apply_template(request, state):
+    """llama-server's `POST /apply-template`: the chat body read as /v1/chat/completions reads it
+    (oaicompat_chat_params_parse, its 400s), and the prompt its template makes, `{"prompt"}`."""
     req = await _off_loop(parse_body, request.body)
-    if not isinstance(req, dict) or "messages" not in req:
-        raise InvalidRequest("no messages")
-    messages = await _off_loop(check_messages, req["messages"])  # as a chat reads them, content parts too
+    _, messages = await _off_loop(openai_layer, req)  # as a chat reads them, content parts too
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    prompt = await _off_loop(loaded.model.render, messages)
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
     return json_response(jstr.dumps({"prompt": prompt}))
+
+
+async def count_tokens(request, state):
+    """llama-server's `POST /v1/chat/completions/input_tokens` (handle_count_tokens): the chat body's
+    prompt, templated as /apply-template makes it and tokenized with BOS and special tokens, counted."""
+    req = await _off_loop(parse_body, request.body)
+    _, messages = await _off_loop(openai_layer, req)
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    loaded = await state.residency.current()
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
+    tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
+    return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
+
+
+def refuse_template_changes(req: dict, messages: list[dict]) -> None:
+    """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
+    if has_tools(req):
+        raise NotSupported("'tools' is not supported by bankml serve --native yet")
+    if json_value(req, "chat_template_kwargs", {}):
+        raise NotSupported("'chat_template_kwargs' is not supported by bankml serve --native yet")
+    if any("tool_calls" in m for m in messages):
+        raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
+    if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
+        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 
 
 @takes_query
@@ -121,7 +151,8 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
     out["n_prompt_tokens_processed"] = max(0, seq.n_prompt_done - seq.n_cached)
     out["n_prompt_tokens_cache"] = seq.n_cached
     if seq.params is not None:
-        out["params"] = _params_json(seq.params)
+        # llama-server's task params (gateway/params_json.py), its stop strings left out (see above)
+        out["params"] = {k: v for k, v in params_json(seq.params).items() if k != "stop"}
     out["next_token"] = [{
         "has_next_token": True,  # a sequence that stopped has left its slot
         "has_new_line": False,  # llama-server tracks it for n_indent, which this engine does not take
@@ -130,37 +161,3 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
         "stopping_word": "",
     }]
     return out
-
-
-def _params_json(p: SamplingParams) -> dict[str, Any]:
-    """llama-server's `slot_params::to_json` (tools/server/server-task.cpp), for the fields this
-    engine has; the ones it refuses unless neutral (mirostat's tau and eta, grammars, logit_bias) are
-    left out."""
-    return {
-        "seed": p.seed & 0xFFFFFFFF,  # llama-server's seed is a uint32: -1 (random) reads 4294967295
-        "temperature": p.temperature,
-        "dynatemp_range": p.dynatemp_range,
-        "dynatemp_exponent": p.dynatemp_exponent,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "top_n_sigma": p.top_n_sigma,
-        "xtc_probability": p.xtc_probability,
-        "xtc_threshold": p.xtc_threshold,
-        "typical_p": p.typical_p,
-        "repeat_last_n": p.repeat_last_n,
-        "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "dry_multiplier": p.dry_multiplier,
-        "dry_base": p.dry_base,
-        "dry_allowed_length": p.dry_allowed_length,
-        "dry_penalty_last_n": p.dry_penalty_last_n,
-        "dry_sequence_breakers": list(p.dry_sequence_breakers),
-        "mirostat": p.mirostat,
-        "max_tokens": p.max_tokens,
-        "n_predict": p.max_tokens,
-        "n_probs": p.n_probs,
-        "min_keep": p.min_keep,
-        "samplers": list(p.samplers),
-    }

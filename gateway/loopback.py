@@ -9,16 +9,23 @@ Checks, in the Rust bankml's order (its serve.rs):
    name that is not a token (RFC 9110 §5.1; so no space before the colon, RFC 9112 §5.1) -> 400;
 2. more than one Host header -> 400 (RFC 9112 §3.2); a Host other than 127.0.0.1, localhost or [::1],
    with no port or one of ASCII digits (a missing Host counts) -> 403;
-3. OPTIONS (a cross-origin preflight; this server has no --allow-origin) -> 403;
+3. the Origin rule (access.py): a preflight (OPTIONS) from an origin --allow-origin lists -> 204 with
+   the CORS headers, any other OPTIONS -> 403; any other request whose Origin is neither the server's
+   own nor listed -> 403 (what a non-preflight request with a foreign Origin gets: Ollama's answer; a
+   page could not read the answer anyway, and a request not served has no side effect either).
+   The server's own origin is http://127.0.0.1, localhost or [::1] at the port the request came in on
+   (the status page at GET / fetches from it); a request without Origin is not a browser's;
 4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
 5. a Content-Length that is not 1-19 ASCII digits -> 400, over 16 MiB -> 413;
 6. more than one Content-Type header -> 400; a POST whose Content-Type is not application/json (any
    case, then only `;` parameters) -> 415;
-7. more than 32 open connections on a listener -> 503, decided when the connection is accepted.
+7. more than 32 open connections on a listener -> 503, decided when the connection is accepted;
+8. with API keys (--api-key, [serve] api_key_file), a request that needs one and has none of them ->
+   401 in its API's JSON shape (access.py), before its body is read.
 
-Refusals are text/plain with `Connection: close`. Each is written at once, then what the client sent
-is read and discarded (its announced body, or until it pauses for 50 ms) for at most 200 ms before the
-socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
+Refusals are text/plain (the 401 JSON, the preflight's 204 empty) with `Connection: close`. Each is
+written at once, then what the client sent is read and discarded (its announced body, or until it
+pauses for 50 ms) for at most 200 ms before the socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
 byte while a request is read (head and body), 120 s blocked on a write; and, since a client that sends
 a byte now and then is never silent, a head not complete within 10 s, a body that after a 10 s grace
 comes slower than 1 KiB/s on average, or a body not complete within 60 s, is answered 408.
@@ -44,8 +51,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import monotonic
+from typing import Any
 
 from sanic.exceptions import ServiceUnavailable
 from sanic.http import Http, Stage
@@ -64,7 +72,7 @@ NOT_JSON = "POST bodies must be Content-Type: application/json"
 LINE_TOO_LONG = "request line too long"
 HEAD_TOO_LARGE = "request head too large"
 BAD_HEAD = "malformed request head"
-PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (no --allow-origin)"
+PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (no --allow-origin)"  # without an Access
 TOO_MANY = "bankml serve: too many connections"
 BAD_TARGET = "malformed request target"
 CONNECT_REFUSED = "CONNECT is not supported: bankml serve is not a proxy"
@@ -82,9 +90,13 @@ Limits = LimitsConfig  # the [limits] table is the loopback rules
 
 @dataclass(frozen=True)
 class Refusal:
+    """An answer the protocol writes itself, then drains and closes (a preflight's 204 is one too)."""
+
     status: int
     text: str
     drain_bytes: int | None = None  # the body still to come, if announced; None: drain until quiet
+    content_type: str = "text/plain; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,16 +230,31 @@ def content_length(head: Head) -> int | Refusal:
     return int(value)
 
 
-def check_head(head: Head, limits: Limits) -> Refusal | None:
-    """Rules 2-6 on a complete head; None when the request may go on."""
+def check_head(head: Head, limits: Limits, access: Any = None, port: int = 0) -> Refusal | None:
+    """Rules 2-6 and 8 on a complete head, that came in at `port`; None when the request may go on.
+    `access` (access.Access) holds the origin and key rules; without one, every OPTIONS is 403."""
+    refusal = _check_head(head, limits, access, port)
+    if refusal is not None and refusal.drain_bytes is None:
+        n = content_length(head)
+        if not isinstance(n, Refusal):
+            refusal = replace(refusal, drain_bytes=min(n, limits.max_body_bytes))
+    return refusal
+
+
+def _check_head(head: Head, limits: Limits, access: Any, port: int) -> Refusal | None:
     n = content_length(head)
     drain = None if isinstance(n, Refusal) else min(n, limits.max_body_bytes)
     if sum(k == "host" for k, _ in head.headers) > 1:  # RFC 9112 §3.2: a 400, whichever is first
         return Refusal(400, TWO_HOSTS, drain)
     if not loopback_host(head.header("host") or ""):
         return Refusal(403, HOST_REFUSED, drain)
-    if head.method == "OPTIONS":
-        return Refusal(403, PREFLIGHT_REFUSED, drain)
+    if access is None:
+        if head.method == "OPTIONS":
+            return Refusal(403, PREFLIGHT_REFUSED, drain)
+    else:
+        refusal = access.origin_refusal(head, port)
+        if refusal is not None:
+            return refusal
     if head.header("transfer-encoding") is not None:
         return Refusal(400, CHUNKED_REFUSED, drain)
     if isinstance(n, Refusal):
@@ -238,17 +265,26 @@ def check_head(head: Head, limits: Limits) -> Refusal | None:
         return Refusal(400, TWO_TYPES, drain)
     if head.method == "POST" and not _JSON_TYPE.fullmatch(head.header("content-type") or ""):
         return Refusal(415, NOT_JSON, drain)
-    return None
+    return access.key_refusal(head) if access is not None else None
 
 
-_REASONS = {400: "Bad Request", 403: "Forbidden", 404: "Not Found", 408: "Request Timeout",
-            413: "Payload Too Large", 415: "Unsupported Media Type", 503: "Service Unavailable"}
+_REASONS = {204: "No Content", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+            408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
+            503: "Service Unavailable"}
 
 
 def plain_response(status: int, text: str) -> bytes:
-    body = text.encode("utf-8")
-    return (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("latin-1") + body
+    return refusal_response(Refusal(status, text))
+
+
+def refusal_response(refusal: Refusal) -> bytes:
+    """The bytes of a refusal; a 204 has no body and says no length (RFC 9110 §8.6)."""
+    lines = [f"HTTP/1.1 {refusal.status} {_REASONS.get(refusal.status, 'Error')}"]
+    body = refusal.text.encode("utf-8")
+    if refusal.status != 204:
+        lines += [f"Content-Type: {refusal.content_type}", f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in refusal.headers] + ["Connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 class _LoopbackHttp(Http):
@@ -266,6 +302,8 @@ class LoopbackProtocol(HttpProtocol):
     """
 
     limits: Limits = Limits()
+    access: Any = None  # access.Access: the origin and API key rules (None: OPTIONS refused, nothing else)
+    cors_origin: str | None = None  # a listed Origin this connection's answer echoes (sanic_app.py)
     _live: list[int] = [0]  # open connections on this listener (one class per listener)
     shutdown: Shutdown = Shutdown()  # shared by the listeners of one server
     HTTP_CLASS = _LoopbackHttp
@@ -325,12 +363,18 @@ class LoopbackProtocol(HttpProtocol):
             return
         if isinstance(result, Refusal):
             return self._refuse(result)
-        refusal = check_head(result, self.limits)
+        refusal = check_head(result, self.limits, self.access, self._local_port())
         if refusal is not None:
             if refusal.drain_bytes is not None:
-                refusal = Refusal(refusal.status, refusal.text, refusal.drain_bytes - len(result.body_start))
+                refusal = replace(refusal, drain_bytes=refusal.drain_bytes - len(result.body_start))
             return self._refuse(refusal)
+        if self.access is not None:
+            self.cors_origin = self.access.listed(result)
         self._pass(result)
+
+    def _local_port(self) -> int:
+        sockname = self.transport.get_extra_info("sockname") if self.transport is not None else None
+        return int(sockname[1]) if isinstance(sockname, tuple) and len(sockname) >= 2 else 0
 
     def _pass(self, head: Head) -> None:
         """Hand the connection to Sanic: start its connection task and give it the normalized head."""
@@ -383,9 +427,10 @@ class LoopbackProtocol(HttpProtocol):
         self._cancel_head_timer()
         self._cancel_body_timer()
         self._head = None
-        log.info("refused %d: %s", refusal.status, refusal.text)
+        if refusal.status != 204:  # a key is never in what is logged: the 401's text is its JSON body
+            log.info("refused %d: %s", refusal.status, refusal.text)
         self._drain_left = refusal.drain_bytes
-        self.transport.write(plain_response(refusal.status, refusal.text))
+        self.transport.write(refusal_response(refusal))
         self._drain_task = self.loop.create_task(self._drain_then_close())
 
     async def _drain(self) -> None:
@@ -526,10 +571,10 @@ class LoopbackProtocol(HttpProtocol):
             self.transport.abort()  # connection_lost follows, and Sanic cancels the request
 
 
-def make_protocol(limits: Limits, shutdown: Shutdown | None = None) -> type[LoopbackProtocol]:
-    """A protocol class for one listener: these limits, its own connection count, and the server's
-    shutdown (one for all its listeners)."""
+def make_protocol(limits: Limits, shutdown: Shutdown | None = None, access: Any = None) -> type[LoopbackProtocol]:
+    """A protocol class for one listener: these limits, its own connection count, the server's
+    shutdown (one for all its listeners) and its origin and key rules (access.Access)."""
     http_class = type("LoopbackHttp", (_LoopbackHttp,), {"HEADER_MAX_SIZE": limits.max_head_bytes})
     return type("LoopbackProtocol", (LoopbackProtocol,), {"limits": limits, "_live": [0],
                                                           "shutdown": shutdown or Shutdown(),
-                                                          "HTTP_CLASS": http_class})
+                                                          "HTTP_CLASS": http_class, "access": access})

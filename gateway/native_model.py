@@ -2,7 +2,9 @@
 
 What the routes need from a model: its context size, its tokenizer, and its chat template, rendered
 as llama-server `--jinja` renders it (model/chat_template.py, in Jinja2's sandbox). The template comes
-from the GGUF's own `tokenizer.chat_template`; without one, llama-server's ChatML fallback. If the
+from the GGUF's own `tokenizer.chat_template`, or from a --chat-template-file that replaces it (then its
+sha256 is `chat_template_sha256`, which /bankml, /props and every receipt show); without either,
+llama-server's ChatML fallback. If the
 engine's API moves, this file is the one to change.
 """
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bankml.errors import ContextExceeded, InvalidRequest
+from bankml.serve_files import ChatTemplateFile
 from gateway.request_fields import gguf_defaults
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
@@ -29,9 +32,11 @@ class NativeModel:
     chat_template_sha256: str | None = None  # set when --chat-template-file replaced the GGUF's template
 
     @classmethod
-    def of(cls, engine: Any, path: str | os.PathLike) -> NativeModel:
+    def of(cls, engine: Any, path: str | os.PathLike, template_file: ChatTemplateFile | None = None) -> NativeModel:
         kv = gguf_fields(path, ("tokenizer.chat_template", "general.sampling."))
         template = kv.get("tokenizer.chat_template")
+        if template_file is not None:  # llama-server --chat-template-file: the file's text, in place of the GGUF's
+            return cls(engine.tokenizer, int(engine.n_ctx), template_file.text, gguf_defaults(kv), template_file.sha256)
         return cls(engine.tokenizer, int(engine.n_ctx), template if isinstance(template, str) else None,
                    gguf_defaults(kv))
 

@@ -3,7 +3,7 @@ gateway/chat_request.py).
 
 Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
 order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
-- non-streamed: `{"choices": [{"index", "message": {"role", "content"}, "finish_reason",
+- non-streamed: `{"choices": [{"finish_reason", "index", "message": {"role", "content"},
   ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
   "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
 - streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
@@ -48,15 +48,22 @@ def parse_json_body(body: bytes) -> Any:
 
 
 def timings(out: StepOutput) -> dict:
-    """llama-server's `timings` for a finished answer; a rate is null when its count or time is 0."""
+    """llama-server's `timings` (b11434's keys, server-task.cpp `result_timings::to_json`) for an
+    answer so far: a rate or a per-token time is null when its count or time is 0 (a division by
+    zero there, which its JSON writes as null)."""
     prompt_n = max(0, out.prompt_tokens - out.cached_tokens)
 
     def rate(n: int, ms: float) -> float | None:
         return round(n / (ms / 1e3), 3) if n > 0 and ms > 0 else None
 
+    def per_token(n: int, ms: float) -> float | None:
+        return round(ms / n, 3) if n > 0 else None
+
     return {"cache_n": out.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(out.prompt_ms, 3),
+            "prompt_per_token_ms": per_token(prompt_n, out.prompt_ms),
             "prompt_per_second": rate(prompt_n, out.prompt_ms), "predicted_n": out.completion_tokens,
             "predicted_ms": round(out.predicted_ms, 3),
+            "predicted_per_token_ms": per_token(out.completion_tokens, out.predicted_ms),
             "predicted_per_second": rate(out.completion_tokens, out.predicted_ms)}
 
 
@@ -86,12 +93,21 @@ class Completion:
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
 
     def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None) -> str:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "finish_reason": last.finish_reason.value}
+        return self.body_of([self.choice(0, text, last, logprobs)], last, receipt)
+
+    @staticmethod
+    def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"finish_reason": last.finish_reason.value, "index": index,
+                                  "message": {"role": "assistant", "content": text}}
         if logprobs:  # llama-server writes the key only when there are entries
             choice["logprobs"] = {"content": logprobs}
-        return jstr.dumps({
-            "choices": [choice],
+        return choice
+
+    def body_of(self, choices: list[dict], last: StepOutput, receipt: dict | None) -> str:
+        """The answer with these choices; `usage` and `timings` are `last`'s (llama-server merges the
+        choices of `n` > 1 into its first answer's object, whose usage and timings it keeps)."""
+        res: dict[str, Any] = {
+            "choices": choices,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -99,39 +115,55 @@ class Completion:
             "usage": usage(last),
             "id": self.id,
             "timings": timings(last),
-            "bankml_receipt": receipt,
-        })
+        }
+        if receipt is not None:
+            res["bankml_receipt"] = receipt
+        return jstr.dumps(res)
 
     def _chunk(self, choices: list[dict], **extra: Any) -> bytes:
         return _event({"choices": choices, "created": self.created, "id": self.id, "model": self.model,
                        "system_fingerprint": SYSTEM_FINGERPRINT, "object": "chat.completion.chunk", **extra})
 
-    def chunk(self, piece: str | None, logprobs: list[dict] | None = None) -> bytes:
-        """A content chunk; with `piece` None, the role delta that opens the stream."""
+    def chunk(self, piece: str | None, logprobs: list[dict] | None = None, index: int = 0,
+              timed: StepOutput | None = None) -> bytes:
+        """A content chunk; with `piece` None, the role delta that opens the stream (of choice `index`).
+        `timed`: timings_per_token, the chunk carries that output's `timings`."""
         delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
         if logprobs:
             choice["logprobs"] = {"content": logprobs}
+        if timed is not None:
+            return self._chunk([choice], timings=timings(timed))
         return self._chunk([choice])
 
-    def final_chunks(self, last: StepOutput) -> bytes:
-        """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one."""
-        finish = [{"index": 0, "delta": {}, "finish_reason": last.finish_reason.value}]
-        cache_n = {"cache_n": last.cached_tokens}
+    def progress_chunk(self, index: int, progress: dict) -> bytes:
+        """return_progress: a role delta carrying `prompt_progress`, as b11434 sends one as the prompt
+        starts and after each prefill chunk (the role delta still opens the answer after them)."""
+        choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
+        return self._chunk([choice], prompt_progress=progress)
+
+    def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False) -> bytes:
+        """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one
+        (all of them with timings_per_token, else `cache_n`)."""
+        finish = [{"finish_reason": last.finish_reason.value, "index": index, "delta": {}}]
+        times = timings(last) if timed else {"cache_n": last.cached_tokens}
         if not self.include_usage:
-            return self._chunk(finish, usage=usage(last), timings=cache_n)
-        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=cache_n)
+            return self._chunk(finish, usage=usage(last), timings=times)
+        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=times)
 
 
 def _event(obj: dict) -> bytes:
     return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
 
 
-def receipt_event(receipt: dict) -> bytes:
+def receipt_event(receipt: dict, index: int | None = None) -> bytes:
     """The receipt, last before [DONE]. Not a chunk (no `object`, no `id`): the openai client's stream
     helper skips it, where a chunk would overwrite the usage it gathered; `choices` is there, empty,
-    for clients that read it on every event."""
-    return _event({"choices": [], "bankml_receipt": receipt})
+    for clients that read it on every event. With `n` > 1, one per choice, after its last chunk, with
+    the choice's `index`."""
+    if index is None:
+        return _event({"choices": [], "bankml_receipt": receipt})
+    return _event({"choices": [], "index": index, "bankml_receipt": receipt})
 
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -41,6 +41,7 @@ from bankml.config import ServeOptions
 from bankml.errors import BankmlError, StartFailed, UpstreamFailed
 from bankml.verify import GatedModel
 from gateway import monitor_routes
+from gateway.access import Access
 from gateway.errors import json_response
 from gateway.loopback import Limits, make_protocol
 from gateway.monitoring import Monitoring
@@ -255,7 +256,8 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     shutdown.add_listener(sock)
     app = create_p0_app(state, limits, shutdown=shutdown)
-    app.prepare(sock=sock, protocol=make_protocol(limits, shutdown), single_process=True, motd=False,
+    access = Access.of(options.api_keys, options.allowed_origins)  # the keys and origins, as --native's
+    app.prepare(sock=sock, protocol=make_protocol(limits, shutdown, access), single_process=True, motd=False,
                 access_log=False, register_sys_signals=False)
     if spawned is not None:
         _watch(spawned)

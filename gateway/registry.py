@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -142,8 +142,9 @@ def header_info(report: Report) -> HeaderInfo:
     )
 
 
-def native_reason(report: Report) -> str | None:
-    """Why this engine cannot play a file the guard passed (None: it can): arch, types, tokenizer, template."""
+def native_reason(report: Report, chat_template: str | None = None) -> str | None:
+    """Why this engine cannot play a file the guard passed (None: it can): arch, types, tokenizer, template.
+    `chat_template`: the --chat-template-file that replaces the GGUF's (checked at start, so not here)."""
     kv = report.metadata
     try:
         Config.from_gguf(kv)  # the guard's arrays are counted, never decoded
@@ -167,7 +168,7 @@ def native_reason(report: Report) -> str | None:
         if pre not in PRE_TOKENIZERS:
             return f"unsupported pre-tokenizer {pre!r}: this engine runs {', '.join(sorted(PRE_TOKENIZERS))}"
     template = kv.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
+    if chat_template is None and isinstance(template, str) and template:
         try:
             _compile(template)
         except TemplateError as e:
@@ -189,8 +190,9 @@ def guard_reason(path: str, file_name: str, rule_set: str = "mainline") -> tuple
 
 
 def make_pin(file_name: str, sha256: str | None, fork_text: str, fork_path: str | None,
-             path: str | None, rule_set: str = "mainline") -> Pin:
-    """A pin with its header verdict. `sha256` None: the FORK.json has no valid record for the file."""
+             path: str | None, rule_set: str = "mainline", chat_template: str | None = None) -> Pin:
+    """A pin with its header verdict. `sha256` None: the FORK.json has no valid record for the file.
+    `chat_template`: a --chat-template-file's text, in force instead of the GGUF's (the startup model's)."""
     name = model_name(file_name)
     reason = None if sha256 else f"{file_name} has no sha256 record in FORK.json: unpinned, refused"
     size, mtime, info = 0, 0.0, None
@@ -206,7 +208,9 @@ def make_pin(file_name: str, sha256: str | None, fork_text: str, fork_path: str 
         report, why = guard_reason(path, file_name, rule_set)
         if report is not None:
             info = header_info(report)
-            why = native_reason(report)
+            if chat_template is not None:
+                info = replace(info, chat_template=chat_template)
+            why = native_reason(report, chat_template)
         reason = reason or why
     return Pin(name, file_name, sha256 or "", fork_text, fork_path, path, size, mtime, info, reason is None,
                reason)
@@ -229,8 +233,10 @@ def _fork_files(fork_text: str) -> list[str]:
 
 
 class Registry:
-    def __init__(self, startup: GatedModel | None, directory: str | None, rule_set: str = "mainline"):
-        """`startup` None (`bankml create`, which serves nothing): the pins are DIR's only."""
+    def __init__(self, startup: GatedModel | None, directory: str | None, rule_set: str = "mainline",
+                 chat_template: str | None = None):
+        """`startup` None (`bankml create`, which serves nothing): the pins are DIR's only. `chat_template`:
+        the --chat-template-file's text, which replaces the startup model's template (only its)."""
         self.directory = directory
         self.rule_set = rule_set
         self.pins: list[Pin] = []
@@ -239,7 +245,8 @@ class Registry:
             given = startup.given or startup.path
             beside = os.path.dirname(os.path.abspath(given))
             self.pins.append(make_pin(os.path.basename(given), startup.verified.model_sha256,
-                                      startup.fork_text, startup.fork_path, startup.path, rule_set))
+                                      startup.fork_text, startup.fork_path, startup.path, rule_set,
+                                      chat_template))
         seen = {p.name for p in self.pins}
         for fork_path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.FORK.json"))) if directory else []:
             try:

@@ -284,15 +284,19 @@ def _read(f: Field, name: str, v: Any, request: dict, p: dict) -> None:
         raise InvalidRequest(f"Field '{name}': {e}") from None
 
 
-def read_fields(request: dict, defaults: SamplingParams) -> dict:
+def read_fields(request: dict, defaults: SamplingParams, n_max: int = 1) -> dict:
     """llama-server's task params from a request (after the OpenAI layer): a dict of what was read.
 
     Starts from `defaults` (llama.cpp's, under the GGUF's general.sampling.*) and raises llama-server's
-    400 for the first bad field, then for what its sampler set-up refuses.
+    400 for the first bad field, then for what its sampler set-up refuses. `n_max`: the bound of `n`
+    (llama-server's n_parallel); a route that checks `n` against the engine's sequences once it holds
+    the model passes more than 1 and `n` is then read as any int32 here.
     """
     p: dict[str, Any] = {k: getattr(defaults, k) for k in SamplingParams.__dataclass_fields__}
     p.update(stream=False, include_usage=False, n=1)
     for f in FIELDS:
+        if f.names[0] == "n_cmpl" and n_max != 1:
+            f = replace(f, limits=(INT32[0], n_max))
         _eval(f, request, p)
     _sampler_init(p)
     return p

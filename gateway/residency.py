@@ -44,6 +44,7 @@ from bankml.errors import (
     ModelNotFound,
     ModelUnusable,
 )
+from bankml.serve_files import ChatTemplateFile
 from bankml.verify import FileIdentity, GatedModel, Verified, gate_model
 from gateway.engine_client import EngineClient
 from gateway.native_model import NativeModel
@@ -130,8 +131,11 @@ def _copy(e: BankmlError) -> BankmlError:
 class Residency:
     def __init__(self, registry: Registry, startup_gated: GatedModel, loader: Loader, *, max_loaded: int = 3,
                  budget_bytes: int = 0, default_keep_alive_s: float = 300.0, ctx: int = 4096,
-                 max_waiting: int = 256, estimate: Estimate | None = None):
-        """budget_bytes 0: no memory budget (only max_loaded bounds the count)."""
+                 max_waiting: int = 256, estimate: Estimate | None = None,
+                 chat_template: ChatTemplateFile | None = None):
+        """budget_bytes 0: no memory budget (only max_loaded bounds the count). `chat_template`: the
+        --chat-template-file, which replaces the startup model's template, and only its: llama-server
+        serves one model, and a template is written for one model's special tokens."""
         self.registry = registry
         self.startup_gated = startup_gated
         self.loader = loader
@@ -141,6 +145,7 @@ class Residency:
         self.ctx = ctx
         self.max_waiting = max_waiting
         self.estimate = estimate or os.path.getsize
+        self.chat_template = chat_template
         self.last: Loaded | None = None  # the most recent verification, for GET /bankml
         self.unusable: dict[str, BankmlError] = {}  # per pin name: what every answer gets until it verifies
         self._slots: dict[str, _Slot] = {}
@@ -207,9 +212,10 @@ class Residency:
         size = int(memory()) if callable(memory) else slot.estimate_bytes
         vram = size if _on_accelerator(engine) else 0
         pin = slot.pin
+        template = self.chat_template if pin.name == self.registry.startup.name else None
         return Loaded(pin.name, pin.file_name, gated.path, gated.verified, gated.identity, int(time.time()),
                       f"bankML {__version__} native: its own forward pass ({backend})",
-                      NativeModel.of(engine, gated.path), compile_s, slot.client, pin, size, vram)
+                      NativeModel.of(engine, gated.path, template), compile_s, slot.client, pin, size, vram)
 
     def load_startup(self) -> Loaded:
         """Load and warm the startup model, kept forever; blocks (before the event loop runs). Raises what

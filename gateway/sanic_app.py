@@ -2,6 +2,10 @@
 `[limits]`, and one error handler. The native gateway (app.py) and P0 (p0.py) differ only in their
 routes and their start/stop hooks.
 
+An answer to a browser origin that --allow-origin lists (the loopback protocol admitted it, access.py)
+carries `Access-Control-Allow-Origin` with that origin and `Vary: Origin`: Sanic's response middleware
+runs before the head of every answer goes out, streamed, refused by a route or failed.
+
 A target matches a route exactly; only a handler marked `takes_query` (llama-server's `GET /slots`,
 whose clients send `?fail_on_no_slot=1`) is also reached by its path followed by `?query`, and reads
 the query itself (`query_of`).
@@ -55,6 +59,14 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
         "FALLBACK_ERROR_FORMAT": "text",
     })
     app.ctx.state = state
+
+    @app.on_response
+    async def cors(request, response):
+        origin = getattr(getattr(request, "protocol", None), "cors_origin", None)
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+
     if shutdown is not None:
         @app.before_server_stop
         async def end_connections(app):

@@ -26,7 +26,7 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML_TEMPLATE", "TemplateError", "render_chat", "tojson"]
+__all__ = ["CHATML_TEMPLATE", "TemplateError", "compile_template", "render_chat", "tojson"]
 
 # common/chat.cpp CHATML_TEMPLATE_SRC, byte for byte.
 CHATML_TEMPLATE = (
@@ -168,6 +168,12 @@ def _compile(source: str) -> jinja2.Template:
         return _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from None
+
+
+def compile_template(source: str) -> None:
+    """Compile `source` in the sandbox (a --chat-template-file is checked at start); TemplateError if it
+    does not."""
+    _compile(source)
 
 
 def render_chat(template: str | None, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

@@ -64,7 +64,8 @@ class Completion:
         if self._n_probs > 0 and logprob is not None:
             out.logprob = logprob
             out.top_logprobs = [TokenLogprob(t, lp) for t, lp in top]
-        if complete_utf8_len(self._generated) == len(self._generated):
+        out.utf8_complete = complete_utf8_len(self._generated) == len(self._generated)
+        if out.utf8_complete:
             sent = self._release(piece, eog)
             out.text = sent.decode("utf-8", "replace")
             if self._n_probs > 0 and logprob is not None:
@@ -80,6 +81,10 @@ class Completion:
             reason = FinishReason.STOP
         if reason is not None:
             self._finish(out, reason, trim_stop=word and reason is FinishReason.STOP and not eog)
+            out.stop_type = "eos" if eog else "word" if reason is FinishReason.STOP else "limit"
+            out.truncated = reason is FinishReason.LENGTH and self.n_prompt + self.n_generated >= self.n_ctx
+            if out.stop_type == "word" and self._stop_word is not None:
+                out.stopping_word = self._stop_word.decode("utf-8", "replace")
         return out
 
     def _release(self, piece: bytes, eog: bool) -> bytes:

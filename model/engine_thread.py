@@ -14,8 +14,9 @@ unloading a model run on this thread too (`call`), between iterations, so nothin
 device memory.
 
 The thread also measures: it stamps each request's `Timeline` (queued, admitted to a sequence, first
-token, first text, end) and reads the energy `meter` from admission to the end, and puts both on the
-final output, so the gateway's monitor never queues work here. `in_flight()` counts the requests
+token, first text, end) and reads the energy `meter` from admission to the end; every output carries
+the timeline up to it (llama-server's `timings_per_token`), the final one the whole of it and the
+energy, so the gateway's monitor never queues work here. `in_flight()` counts the requests
 running and waiting; `stats()` is the scheduler's last snapshot (`EngineStats`).
 
 Failures never hang a client: a request the engine refuses ends at once with `FinishReason.ERROR` and
@@ -325,13 +326,18 @@ class EngineThread:
             job = self._live.get(task)
             if job is None:
                 continue
+            if out.progress is not None:  # a prefill chunk's progress: no token yet, nothing to stamp
+                job.emit(out)
+                continue
             now = time.perf_counter()
             if job.first_token_s is None:
                 job.first_token_s = now
             if out.text and job.first_text_s is None:
                 job.first_text_s = now
             if out.finish_reason is None:
-                job.emit(out)
+                # each token's own timeline (to now): llama-server's timings_per_token, measured here
+                job.emit(replace(out, timeline=Timeline(job.queued_s, job.started_s or now, job.first_token_s,
+                                                        job.first_text_s, now)))
             else:
                 self._finish(job, out)
 

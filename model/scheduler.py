@@ -40,7 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from model.completion import Completion
-from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SequenceState, StepOutput
+from model.messages import (
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    Iteration,
+    PromptProgress,
+    SequenceState,
+    StepOutput,
+)
 from model.pages import ROOT_DIGEST, PagePool, chain_digest
 
 
@@ -183,6 +191,8 @@ class Scheduler:
             if seq.admitted_s is None:
                 seq.admitted_s = time.perf_counter()
                 it.admitted.append((seq.task, seq.admitted_s))
+                if seq.request.return_progress:  # b11434 reports the prompt once before its first batch
+                    it.outputs.append((seq.task, self._progress(seq)))
 
         # 2. prefill, a bounded number of tokens, oldest first
         budget = self.prefill_budget
@@ -194,6 +204,8 @@ class Scheduler:
             seq.n_computed += n
             budget -= n
             self._publish(seq)
+            if seq.request.return_progress:
+                it.outputs.append((seq.task, self._progress(seq)))
             if not seq.prefilling and seq.next_token is None:  # the prompt is done: its first token
                 [(token, logprob, top)] = self.runner.sample([seq], logits)
                 it.outputs.append((seq.task, self._push(seq, token, logprob, top)))
@@ -331,12 +343,24 @@ class Scheduler:
 
     def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
         out = seq.completion.push(token, logprob, top)
+        out.id_slot = seq.slot  # llama-server's `id_slot` in /completion's answer: the slot that decoded it
         if out.finish_reason is not None:
             self._leave(seq)
         else:
             seq.tokens.append(token)
             seq.next_token = token
         return out
+
+    @staticmethod
+    def _progress(seq: Sequence) -> StepOutput:
+        """llama-server's prompt progress when the prompt starts and after each prefill chunk
+        (server-context.cpp: sent when the request streams with return_progress). `processed` counts
+        what the sequence's cache holds of the prompt (at the start: what the prefix cache gave it)."""
+        c = seq.completion
+        ms = int((time.perf_counter() - seq.admitted_s) * 1e3) if seq.admitted_s is not None else 0
+        progress = PromptProgress(c.n_prompt, c.n_cached, min(seq.n_computed, c.n_prompt), ms)
+        return StepOutput(token=None, prompt_tokens=c.n_prompt, cached_tokens=c.n_cached, utf8_complete=False,
+                          id_slot=seq.slot, progress=progress)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s slot and pages and put it back at the head of the queue; it is computed again

@@ -39,6 +39,14 @@ class FakeTokenizer:
     def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
         return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
 
+    n_vocab = 256  # one token per byte value
+
+    def token_to_piece(self, token: int, special: bool) -> bytes:
+        return bytes([token])
+
+    def decode(self, ids, special: bool = False) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
 
 class FakeEngine(GeneratorBatch):
     on_accelerator = False  # what /api/ps's size_vram reads: a CPU's engine

@@ -176,3 +176,14 @@ def split_response(response: bytes) -> tuple[int, dict[str, str], bytes]:
         k, _, v = line.partition(":")
         headers[k.strip().lower()] = v.strip()
     return status_of(response), headers, body
+
+
+class EdgeServer(_Server):
+    """A FakeServer given serve flags of its own (--api-key, --allow-origin, --chat-template-file, ...),
+    passed to `bankml serve`'s parser as the command line would."""
+
+    def __init__(self, model: Path, fork: Path, *serve_args: str, timeout_s: float = 60, env: dict | None = None):
+        cmd = [sys.executable, str(HERE / "gateway_fake_server.py"), str(model), "--fork", str(fork),
+               "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:0", "--engine", json.dumps({"max_seqs": 1}),
+               *serve_args]
+        super().__init__(cmd, timeout_s, env)

@@ -331,11 +331,16 @@ def test_apply_template_reads_messages_as_a_chat_does(server):
     assert r.status_code == 200 and r.json() == httpx.post(server.url("/apply-template"), json=plain, timeout=60).json()
 
 
-def test_tokenize_refuses_what_it_would_silently_drop(server):
-    for body, field in (({"content": ["a", 1]}, "'content'"), ({"content": 123}, "'content'"),
-                        ({"content": "hi", "with_pieces": True}, "'with_pieces'")):
-        r = httpx.post(server.url("/tokenize"), json=body, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), body
+def test_tokenize_takes_ids_mixes_and_pieces_as_llama_server(server):
+    # issue 15: these were refused; now read as llama-server reads them (tests/test_llama_routes_small.py
+    # compares them with its recorded answers on SmolLM2)
+    r = httpx.post(server.url("/tokenize"), json={"content": ["a", 1]}, timeout=60)
+    assert (r.status_code, r.json()) == (200, {"tokens": [97, 1]})
+    r = httpx.post(server.url("/tokenize"), json={"content": 123}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "[json.exception.type_error.302] type must be string, but is number"
+    r = httpx.post(server.url("/tokenize"), json={"content": "hi", "with_pieces": True}, timeout=60)
+    assert r.json() == {"tokens": [{"id": 104, "piece": "h"}, {"id": 105, "piece": "i"}]}
 
 
 def test_a_client_gone_is_not_logged_as_an_unhandled_error(caplog):

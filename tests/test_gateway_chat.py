@@ -93,8 +93,8 @@ def test_openai_client_plain_and_streamed_agree_and_their_receipts_check_out(ser
     assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (plain.usage.prompt_tokens, 9)
     assert isinstance(receipt["ttft_ms"], int) and 0 <= receipt["ttft_ms"] <= receipt["wall_ms"]
     timings = plain.model_extra["timings"]
-    assert list(timings) == ["cache_n", "prompt_n", "prompt_ms", "prompt_per_second", "predicted_n",
-                             "predicted_ms", "predicted_per_second"]
+    assert list(timings) == ["cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+                             "predicted_n", "predicted_ms", "predicted_per_token_ms", "predicted_per_second"]
     assert timings["predicted_n"] == 9 and timings["prompt_n"] == plain.usage.prompt_tokens
 
     pieces, streamed_receipt, finish, usage = [], None, None, None
@@ -323,8 +323,9 @@ def test_llama_server_routes(server, pinned):
                                                       "owned_by": "bankML"}]}
         props = httpx.get(server.url("/props", upstream)).json()
         assert props["model_path"] == str(model.resolve()) and props["n_ctx"] == 4096
-        assert props["default_generation_settings"]["params"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
-                                                                  "min_p": 0.05}
+        params = props["default_generation_settings"]["params"]  # llama-server's float32 values
+        assert {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p")} == {
+            "temperature": 0.800000011920929, "top_k": 40, "top_p": 0.949999988079071, "min_p": 0.05000000074505806}
         assert props["build_info"].startswith("bankML ") and props["build_info"].endswith(" native")
     assert post(server, "/tokenize", {"content": "hé"}).text == '{"tokens": [104,195,169]}'
     prompt = post(server, "/apply-template", {"messages": HI}).json()["prompt"]

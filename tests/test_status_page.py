@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import FakeServer, tiny_model
+from gateway_helpers import EdgeServer, FakeServer, tiny_model
 from gpu_monitor_fakes import MEMINFO, FakeGpu, add_card, make_pynvml, write, write_proc
 
 from bankml import jstr
@@ -126,6 +126,24 @@ def test_the_page_renders_the_model_usage_and_answers(served, tmp_path):
     shot.unlink(missing_ok=True)
     r = browse(exe, tmp_path / "profile", server.url("/"), f"--screenshot={shot}")
     assert r.returncode == 0 and shot.stat().st_size > 10_000, r.stderr[-2000:]
+
+
+def test_with_an_api_key_the_page_reads_it_from_its_fragment(tmp_path):
+    """--api-key: the page itself is public, its /bankml/status fetch needs the key, which the page takes
+    from /#key=KEY (a fragment never reaches the server); without it the page says what to do."""
+    exe = chromium()
+    model, fork = tiny_model(tmp_path / "m")
+    server = EdgeServer(model, fork, "--api-key", "s3cret-key")
+    try:
+        bare = Cells()
+        bare.feed(browse(exe, tmp_path / "p1", server.url("/"), "--dump-dom").stdout)
+        assert "HTTP 401" in bare.by_id["live"] and "#key=" in bare.by_id["live"]
+        keyed = Cells()
+        keyed.feed(browse(exe, tmp_path / "p2", server.url("/#key=s3cret-key"), "--dump-dom").stdout)
+        assert keyed.by_id["live"].startswith("updated ")
+        assert keyed.by_id["model-sha256"].strip() == json.loads(fork.read_text())["files"][0]["sha256"]
+    finally:
+        server.stop()
 
 
 def test_gpu_rows_render_from_a_machine_with_gpus(tmp_path):

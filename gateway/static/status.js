@@ -141,10 +141,20 @@ function renderUsage(u) {
   }));
 }
 
+// With --api-key, /bankml/status needs the key: open the page as /#key=KEY. A fragment never
+// leaves the browser, so the key is in no request line and no log.
+function apiKey() {
+  const m = /(?:^#|&)key=([^&]*)/.exec(location.hash);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+
 async function refresh() {
   const live = $("live");
   try {
-    const r = await fetch("/bankml/status", { cache: "no-store" });
+    const key = apiKey();
+    const headers = key ? { Authorization: "Bearer " + key } : {};
+    const r = await fetch("/bankml/status", { cache: "no-store", headers });
+    if (r.status === 401) throw new Error("HTTP 401: this server needs its API key; open this page as /#key=KEY");
     if (!r.ok) throw new Error("HTTP " + r.status);
     const s = await r.json();
     renderVerification(s);

@@ -1,0 +1,168 @@
+"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`: the body read as llama-server
+reads it, before any model work, and the prompt's tokens once the model is held.
+
+`parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):
+1. the JSON (chat_request.parse_body: nlohmann's parse errors);
+2. `prompt` required (nlohmann's `at()` errors: 400), then for the OpenAI routes
+   `oaicompat_completion_params_parse` (tools/server/server-common.cpp): `stop` as a string or an
+   array, every other key passed through (`n_predict` over `max_tokens`);
+3. llama-server's field table and sampler set-up (request_fields.read_fields), `n` read up to
+   `N_UNBOUNDED` here and against the engine's sequences once the model is held (`check_n`, the
+   table's own `Field 'n': Value must be between 1 <= value <= N` with N = `[engine] max_seqs`,
+   llama-server's n_parallel);
+4. ours (chat_request.refuse_unsupported, the same refusals as a chat: `echo` among them), less
+   `timings_per_token` and `return_progress`, honoured (every output carries the engine thread's
+   timeline; the engine reports each prefill chunk of a request that asks); on the OpenAI
+   routes `suffix` and `best_of` (b11434 ignores all three, which would answer something else than
+   what the client asked for).
+
+`prompt_tokens(model, prompt)` is `tokenize_input_prompts` (server-common.cpp): a string, a list of
+token ids, a list mixing both (the strings tokenized, special tokens parsed, BOS only before the
+first element), or a list of those (each its own sequence); then every id is checked against the
+vocabulary, as llama-server's `server_tokens::validate` does when the task starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from bankml.errors import InvalidRequest, NotSupported
+from gateway.chat_request import refuse_unsupported
+from gateway.json_values import has_value, json_value, type_name
+from gateway.request_fields import I32_MAX, read_fields
+from model.messages import SamplingParams
+
+N_UNBOUNDED = I32_MAX
+_SAMPLING = {f.name for f in fields(SamplingParams)}
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: Any  # the request's `prompt`, tokenized once the model is held (`prompt_tokens`)
+    stream: bool
+    params: SamplingParams
+    n: int  # sequences per prompt (llama-server's n_cmpl)
+    return_tokens: bool
+    timings_per_token: bool
+    include_usage: bool
+    response_fields: list | None
+    raw: dict  # the request after the OpenAI layer, for /infill's own fields
+    return_progress: bool = False  # prompt progress events (streamed only, as llama-server)
+
+
+def oai_layer(body: Any) -> dict:
+    """oaicompat_completion_params_parse (b11434): `stop` as a string or an array, then every other key
+    passed through (`n_predict` over `max_tokens`). b11434 takes `echo`, `suffix` and `best_of` and
+    ignores them (recorded); each would change the answer a client expects, so ours refuses them
+    (`_refuse_oai`), after llama-server's own checks."""
+    params: dict[str, Any] = {}
+    stop = body.get("stop")
+    params["stop"] = [stop] if isinstance(stop, str) else json_value(body, "stop", [])
+    for key, value in body.items():
+        if key not in params or key == "n_predict":
+            params[key] = value
+    return params
+
+
+def _refuse_oai(doc: dict) -> None:
+    if has_value(doc, "suffix"):  # OpenAI's insertion: text after the completion (llama-server drops it)
+        raise NotSupported("'suffix' is not supported by bankml serve --native")
+    if has_value(doc, "best_of") and doc["best_of"] != 1:  # n candidates, the best returned
+        raise NotSupported("'best_of' is not supported by bankml serve --native")
+
+
+def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> CompletionRequest:
+    """The request checked as llama-server checks it, then against what this engine does."""
+    if not isinstance(doc, dict):  # data.at("prompt") on an array or a scalar: nlohmann's type_error
+        raise InvalidRequest(f"[json.exception.type_error.304] cannot use at() with {type_name(doc)}")
+    if "prompt" not in doc:  # data.at("prompt") on a body without one: nlohmann's out_of_range
+        raise InvalidRequest("[json.exception.out_of_range.403] key 'prompt' not found")
+    original = doc
+    if oai:
+        doc = oai_layer(doc)
+    p = read_fields(doc, defaults, n_max=N_UNBOUNDED)
+    timings_per_token = bool(p.get("timings_per_token"))
+    return_progress = bool(p.get("return_progress"))
+    # honoured here: every output carries the engine thread's timeline, the engine reports each
+    # prefill chunk (refuse_unsupported refuses both for what does not)
+    p["timings_per_token"] = p["return_progress"] = False
+    refuse_unsupported(p, doc, [])
+    if oai:
+        _refuse_oai(original)
+    sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
+    fields_ = p.get("response_fields")
+    return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
+                             timings_per_token, bool(p["include_usage"]),
+                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress)
+
+
+def check_n(n: int, n_parallel: int) -> None:
+    """llama-server's hard limit on n_cmpl, 1..n_parallel (server-schema.cpp), against this engine's sequences."""
+    if not 1 <= n <= n_parallel:
+        raise InvalidRequest(f"Field 'n': Value must be between 1 <= value <= {n_parallel}, but got {n}")
+
+
+# --- the prompt's tokens ---------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _all_ints(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(e) for e in v)
+
+
+def _mixed(v: Any) -> bool:
+    """json_is_array_of_mixed_numbers_strings: a list of ids and strings, with at least one of each."""
+    return (isinstance(v, list) and all(_is_int(e) or isinstance(e, str) for e in v)
+            and any(_is_int(e) for e in v) and any(isinstance(e, str) for e in v))
+
+
+def _tokenize_mixed(model, v: Any) -> list[int]:
+    if isinstance(v, str):
+        return model.tokenize(v, True, True)
+    out: list[int] = []
+    for i, e in enumerate(v):
+        out += model.tokenize(e, i == 0, True) if isinstance(e, str) else [e]
+    return out
+
+
+_BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '
+               "or a list of mixed strings & tokens.")
+
+
+def _one_prompt(model, p: Any) -> list[int]:
+    if isinstance(p, str) or _mixed(p):
+        return _tokenize_mixed(model, p)
+    if _all_ints(p):
+        return list(p)
+    if isinstance(p, dict) and isinstance(p.get("prompt_string"), str):
+        # b11434's multimodal prompt object; its text alone is a prompt, its media are not served
+        if p.get("multimodal_data"):
+            raise NotSupported("'multimodal_data' is not supported by bankml serve --native")
+        return _tokenize_mixed(model, p["prompt_string"])
+    raise InvalidRequest(_BAD_PROMPT)
+
+
+def prompt_tokens(model, prompt: Any) -> list[list[int]]:
+    """tokenize_input_prompts(vocab, prompt, add_special=true, parse_special=true) as b11434 answers it
+    (recorded): one prompt, or a list of them; an empty one is answered empty (`[[]]`, or "" for a
+    model that adds no BOS), every id checked against the vocabulary."""
+    if isinstance(prompt, list) and not prompt:
+        raise InvalidRequest('"prompt" must not be empty')
+    if isinstance(prompt, list) and not _mixed(prompt) and not _all_ints(prompt):
+        prompts = [_one_prompt(model, p) for p in prompt]
+    else:
+        prompts = [_one_prompt(model, prompt)]
+    n_vocab = vocab_size(model)
+    for ids in prompts:
+        if n_vocab is not None and any(not 0 <= t < n_vocab for t in ids):
+            raise InvalidRequest("Prompt contains invalid tokens")
+    return prompts
+
+
+def vocab_size(model) -> int | None:
+    n = getattr(model.tokenizer, "n_vocab", None)
+    return int(n) if n is not None else None

@@ -1,0 +1,259 @@
+"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`, top to bottom.
+
+1. read the JSON (off the loop) and resolve the model: `/completion` and `/infill` name none (the
+   startup model, as llama-server serves its one model; `/completions` is llama-server's alias of
+   /completion, not OpenAI's route); `/v1/completions` resolves `model` as
+   `/v1/chat/completions` does (404 for an unknown name; a derived model's parameters fill the body);
+2. read the fields as llama-server reads them (completion_request.parse_completion): its 400s (and
+   its 500s for the OpenAI layer's refusals) before any model work, then ours;
+3. lease the model for the whole answer (residency.py); `n` against the engine's sequences;
+4. the prompts' tokens (off the loop): /infill's FIM layout (gateway/infill.py, whose refusal of a
+   model without FIM tokens comes first), else `prompt_tokens`; a prompt of n_ctx tokens or more is
+   llama-server's exceed-context 400;
+5. one sequence per prompt and per `n` (index `prompt * n + j`), all handed to the engine at once
+   (generation.py), so they decode together;
+6. written as llama-server writes them (completion_writer.py): one object, or a list for several
+   sequences (the OpenAI route: one object whose `choices` hold them all, as llama-server merges
+   them), or SSE events as the tokens come; each sequence's receipt over the text exactly as sent
+   (streamed: a key of its final event, which has no text).
+A client that goes away cancels the handler, and leaving the generations cancels every sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from dataclasses import dataclass
+
+from bankml import jstr
+from bankml.errors import InvalidRequest
+from gateway import completion_writer as w
+from gateway.chat_request import parse_body
+from gateway.completion_request import CompletionRequest, check_n, parse_completion, prompt_tokens
+from gateway.derived import apply_openai, layer_num_ctx
+from gateway.engine_client import engine_error
+from gateway.errors import exceed_context, json_response, stream_error
+from gateway.generation import Finished, outputs, whole
+from gateway.openai_chat import DONE_EVENT, logprob_entry
+from gateway.params_json import params_json
+from gateway.receipt import Tally
+from gateway.request_fields import gguf_defaults
+from gateway.residency import FOREVER
+from model.messages import FinishReason, GenerateRequest, StepOutput
+
+# llama-server's defaults that /infill's budget reads (its --batch-size and --n-predict)
+SERVER_N_BATCH = 2048
+SERVER_N_PREDICT = -1
+
+
+class Kind(enum.Enum):
+    LLAMA = "completion"  # llama-server's /completion
+    OAI = "oai"  # /v1/completions
+    INFILL = "infill"  # /infill: /completion's answer on a FIM prompt
+
+
+async def completion(request, state):
+    return await _complete(request, state, Kind.LLAMA)
+
+
+async def completions_oai(request, state):
+    return await _complete(request, state, Kind.OAI)
+
+
+async def infill(request, state):
+    return await _complete(request, state, Kind.INFILL)
+
+
+def resolve_for(state, doc, by_name: bool):
+    """The model a request is for, the body with a derived model's layer over it, and the context its
+    prompt must fit in (a derived model's num_ctx above --ctx is a 400)."""
+    resolved = state.registry.resolve(doc.get("model") if by_name and isinstance(doc, dict) else None)
+    n_ctx = state.residency.ctx
+    if resolved.derived is not None and isinstance(doc, dict):
+        layer = resolved.derived.layer
+        doc = apply_openai(layer, doc)
+        num_ctx = layer_num_ctx(layer)
+        if num_ctx is not None and num_ctx > n_ctx:
+            raise InvalidRequest(f"num_ctx {num_ctx} is larger than the context this server holds ({n_ctx}); "
+                                 f"restart bankml serve with --ctx {num_ctx} if it fits in memory")
+        n_ctx = min(n_ctx, num_ctx or n_ctx)
+    return resolved, doc, n_ctx
+
+
+def engine_sequences(loaded) -> int:
+    """llama-server's n_parallel here: the sequences the model's engine decodes at once ([engine] max_seqs)."""
+    engine = getattr(loaded.client.thread, "engine", None)
+    return int(getattr(engine, "max_seqs", 1) or 1)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's constants, repeated by each answer object or event."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    req: CompletionRequest
+    settings: dict  # generation_settings (llama-server's task params, as written)
+
+
+async def _complete(request, state, kind: Kind):
+    body = request.body
+    doc = await asyncio.to_thread(parse_body, body)  # off the loop: a 16 MiB body takes a while
+    resolved, doc, n_ctx = resolve_for(state, doc, by_name=kind is Kind.OAI)
+    pin = resolved.pin
+    defaults = pin.info.sampling if pin.info is not None else gguf_defaults({})
+    req = None
+    if kind is not Kind.INFILL:  # /infill's checks come after the model's own (gateway/infill.py)
+        req = await asyncio.to_thread(parse_completion, doc, defaults, oai=kind is Kind.OAI)
+    async with state.residency.lease(pin) as held:
+        loaded = held.loaded
+        model = loaded.model
+        n_ctx = min(n_ctx, model.n_ctx)
+        if kind is Kind.INFILL:
+            req, prompts = await asyncio.to_thread(_infill_prompts, model, doc, defaults, n_ctx)
+        check_n(req.n, engine_sequences(loaded))
+        if kind is not Kind.INFILL:
+            prompts = await asyncio.to_thread(prompt_tokens, model, req.prompt)
+        for ids in prompts:
+            if len(ids) >= n_ctx:
+                raise exceed_context(len(ids), n_ctx)
+        shown = loaded.file_name if resolved.derived is None else resolved.tag
+        prefix = "cmpl" if kind is Kind.OAI else "cmpl"
+        answer = Answer(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), shown, req,
+                        params_json(req.params, stream=req.stream, timings_per_token=req.timings_per_token))
+        progress = req.return_progress and req.stream  # llama-server: progress is for streams only
+        requests = [GenerateRequest(ids, req.params, request_id=f"{answer.id}-{i * req.n + j}",
+                                    return_progress=progress)
+                    for i, ids in enumerate(prompts) for j in range(req.n)]
+        texts = [model.tokenizer.decode(ids, True) for ids in prompts] if kind is not Kind.OAI else []
+        try:
+            with state.monitoring.answer() as monitored:
+                if req.stream:
+                    return await _streamed(request, loaded, requests, answer, texts, body, monitored)
+                return await _whole(loaded, requests, answer, texts, body, monitored)
+        finally:
+            state.residency.touch(pin.name, FOREVER)  # as /v1: kept resident
+
+
+def _infill_prompts(model, doc, defaults, n_ctx: int) -> tuple[CompletionRequest, list[list[int]]]:
+    from gateway.infill import check_infill_body, infill_prompt, require_fim
+
+    require_fim(model)
+    if not isinstance(doc, dict):
+        raise InvalidRequest("body is not a JSON object")
+    check_infill_body(doc)
+    req = parse_completion({"prompt": "", **doc}, defaults, oai=False)
+    ids = infill_prompt(model, doc, n_ctx=n_ctx, n_batch=SERVER_N_BATCH, n_predict=SERVER_N_PREDICT)
+    return req, [ids]
+
+
+def _stem(loaded) -> str:
+    return loaded.file_name.removesuffix(".gguf")
+
+
+def _entry(out: StepOutput) -> dict:
+    return logprob_entry(out.logprobs)
+
+
+def _receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
+    tally.sent(text)
+    if entries:
+        tally.logprobs(entries)
+    tally.answered(last)
+    return tally.receipt_for(loaded)
+
+
+async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes, monitored):
+    tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
+    done: list[Finished] = await whole(loaded, requests, _entry if a.req.params.n_probs > 0 else None)
+    for f in done:
+        monitored.record(_stem(loaded), f.last)
+    n = a.req.n
+    if a.kind is Kind.OAI:
+        choices = []
+        for j, f in enumerate(done):
+            choice = w.oai_choice(j, f.text, f.last, f.entries)
+            choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+            choices.append(choice)
+        res = w.oai_body(a.id, a.created, a.model, choices, done[0].last)
+        if len(done) == 1:  # one answer: its receipt where every /v1 answer has it
+            res["bankml_receipt"] = choices[0].pop("bankml_receipt")
+        return json_response(jstr.dumps(res))
+    objs = []
+    for j, f in enumerate(done):
+        obj = w.llama_final(j, f.last, content=f.text, tokens=f.tokens if a.req.return_tokens else [],
+                            model=a.model, settings=a.settings, prompt=texts[j // n], has_new_line=f.has_new_line,
+                            entries=f.entries)
+        if a.req.response_fields:
+            obj = w.nested_values(a.req.response_fields, obj)
+        obj["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+        objs.append(obj)
+    return json_response(jstr.dumps(objs[0] if len(objs) == 1 else objs))
+
+
+async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes,
+                    monitored):
+    response = None
+    n = a.req.n
+    tallies = [Tally.start(body) for _ in requests]
+    sent_entries: list[list[dict]] = [[] for _ in requests]
+    has_new_line = [False] * len(requests)
+    with_probs = a.req.params.n_probs > 0
+    async with outputs(loaded, requests) as stream:
+        async for i, out in stream:
+            if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                if response is None:
+                    raise engine_error(loaded.client, out)
+                await response.send(stream_error(engine_error(loaded.client, out)))  # no receipt for a failed answer
+                await response.eof()
+                return None
+            if response is None:
+                response = await request.respond(content_type="text/event-stream",
+                                                  headers={"Cache-Control": "no-cache"})
+            if out.progress is not None:  # return_progress: how far the prompt has come
+                await response.send(w.event(w.oai_progress(a.id, a.created, a.model, i, out) if a.kind is Kind.OAI
+                                            else w.llama_progress(i, out)))
+                continue
+            if out.utf8_complete:  # llama-server's partial result for this token
+                entries = [_entry(out)] if with_probs and out.logprobs is not None else []
+                await response.send(w.event(_partial(a, i, out, entries)))
+                tallies[i].sent(out.text)
+                sent_entries[i] += entries
+                has_new_line[i] = has_new_line[i] or "\n" in out.text
+            if out.finish_reason is not None:
+                tally = tallies[i]
+                tally.answered(out)
+                if sent_entries[i]:
+                    tally.logprobs(sent_entries[i])
+                monitored.record(_stem(loaded), out)
+                # the receipt rides on the sequence's final event, which carries no text: after all of
+                # it, and no event of its own (llama-server's clients read `stop` on every /completion
+                # event, and `choices[0]` on every /v1/completions chunk)
+                final = _final_event(a, i, out, texts, n, has_new_line[i])
+                final["bankml_receipt"] = tally.receipt_for(loaded)
+                await response.send(w.event(final))
+        if response is not None:
+            if a.kind is Kind.OAI:
+                await response.send(DONE_EVENT)
+            await response.eof()
+    return None
+
+
+def _partial(a: Answer, i: int, out: StepOutput, entries: list[dict]) -> dict:
+    if a.kind is Kind.OAI:
+        choice = w.oai_choice(i, out.text, None, entries)
+        timed = w.partial_timings(out, a.req.timings_per_token)
+        return w.oai_chunk(a.id, a.created, a.model, choice, out if timed else None)
+    return w.llama_partial(i, out, with_timings=w.partial_timings(out, a.req.timings_per_token), entries=entries)
+
+
+def _final_event(a: Answer, i: int, last: StepOutput, texts: list[str], n: int, has_new_line: bool) -> dict:
+    if a.kind is Kind.OAI:
+        return w.oai_body(a.id, a.created, a.model, [w.oai_choice(i, "", last, None)], last)
+    obj = w.llama_final(i, last, content="", tokens=[], model=a.model, settings=a.settings,
+                        prompt=texts[i // n], has_new_line=has_new_line, entries=None)
+    return w.nested_values(a.req.response_fields, obj) if a.req.response_fields else obj
