@@ -35,7 +35,7 @@ class Api(enum.Enum):
 
 # the 404 of an unknown /api route or a wrong method (the Rust bankml's, bankML/ollama.rs)
 OLLAMA_ROUTES_TEXT = ("bankml serve --native (Ollama API): GET /api/version /api/tags /api/ps, POST /api/show "
-                      "/api/chat /api/generate /api/create /api/copy, DELETE /api/delete")
+                      "/api/chat /api/generate /api/embed /api/embeddings /api/create /api/copy, DELETE /api/delete")
 
 
 def api_of(path: str) -> Api:
