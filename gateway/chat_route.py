@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`, top to bottom.
 
 1. read the JSON (off the loop) and resolve `model` in the registry (absent or empty: the startup
-   model; a name that does not resolve: 404); a derived model's layer goes over the body (its
+   model; a name that does not resolve: 404, unless the server has one model, which answers any name
+   as llama-server's does: Registry.resolve_openai); a derived model's layer goes over the body (its
    num_ctx above --ctx is a 400; under it, the prompt must fit in it);
 2. read the fields as llama-server reads them (chat_request.parse_chat_request, with the model's
    sampling defaults): its 400 (or 500) before any model work, then ours for what this engine cannot do;

@@ -69,7 +69,7 @@ async def infill(request, state):
 def resolve_for(state, doc, by_name: bool):
     """The model a request is for, the body with a derived model's layer over it, and the context its
     prompt must fit in (a derived model's num_ctx above --ctx is a 400)."""
-    resolved = state.registry.resolve(doc.get("model") if by_name and isinstance(doc, dict) else None)
+    resolved = state.registry.resolve_openai(doc.get("model") if by_name and isinstance(doc, dict) else None)
     n_ctx = state.residency.ctx
     if resolved.derived is not None and isinstance(doc, dict):
         layer = resolved.derived.layer

@@ -223,7 +223,7 @@ class EmbeddingRequest:
 async def oai_embeddings(request, state):
     """`POST /v1/embeddings`."""
     doc = await asyncio.to_thread(parse_body, request.body)
-    resolved = state.registry.resolve(doc.get("model") if isinstance(doc, dict) else None)
+    resolved = state.registry.resolve_openai(doc.get("model") if isinstance(doc, dict) else None)
     return await _answer(request, state, doc, True, resolved.pin)
 
 

@@ -282,6 +282,18 @@ class Registry:
     def names(self) -> list[str]:
         return [p.name for p in self.pins]
 
+    def resolve_openai(self, text: Any) -> Resolved:
+        """`model` on /v1 and llama-server's routes: as `resolve`, except that a server of one model (no
+        other pin, no derived model) answers any name with it, as llama-server does: its clients send
+        "gpt-3.5-turbo" or "davinci-002" and expect the one model to answer. With several models a name
+        must say which (404 otherwise), as Ollama's and vLLM's OpenAI routes decide."""
+        try:
+            return self.resolve(text)
+        except ModelNotFound:
+            if len(self.pins) == 1 and not self.derived.all():
+                return Resolved(self.startup, None, self.startup.tag)
+            raise
+
     def resolve(self, text: Any) -> Resolved:
         """A client's `model` name to the weights that answer it (spec §2, Resolution)."""
         if not isinstance(text, str) or not text.strip():

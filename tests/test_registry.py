@@ -271,6 +271,18 @@ def test_unknown_or_ambiguous_is_404(reg, text):
         "other-q4_k_m, other-f16, smollm2-135m-instruct-q4_k_m)")
 
 
+def test_openai_names_resolve_strictly_with_several_models_and_to_the_one_model_otherwise(reg, tmp_path,
+                                                                                          tiny_file):
+    with pytest.raises(ModelNotFound):
+        reg.resolve_openai("gpt-3.5-turbo")  # several pins: the name must say which
+    assert reg.resolve_openai("solo").pin is reg.pin("solo")
+    alone = Registry(startup(tmp_path / "alone", source=tiny_file), None)
+    for text in ("gpt-3.5-turbo", "davinci-002", None, ""):
+        assert alone.resolve_openai(text).pin is alone.startup
+    with pytest.raises(ModelNotFound):
+        alone.resolve("gpt-3.5-turbo")  # Ollama's API still names models strictly
+
+
 def test_404_cuts_a_long_name(reg):
     with pytest.raises(ModelNotFound) as e:
         reg.resolve("x" * 5000)
