@@ -97,6 +97,25 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
                              fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress)
 
 
+def prompt_count(prompt: Any) -> int:
+    """How many prompts `prompt_tokens` will make of the request's `prompt`, counted on the JSON alone
+    (nothing tokenized): a list of prompts is its length, anything else one."""
+    if isinstance(prompt, list) and prompt and not _mixed(prompt) and not _all_ints(prompt):
+        return len(prompt)
+    return 1
+
+
+def check_sequences(prompt: Any, n: int, max_sequences: int) -> None:
+    """Ours (llama-server has no bound): one request's prompts x `n` sequences at most what the engine can
+    take at once, its sequences plus its queue's room ([engine] max_seqs + max_waiting; engine_thread's
+    submit_all). Checked before the model is held or any prompt tokenized: a list of thousands of
+    prompts would otherwise cost their tokenization and then a 503 that no retry can cure."""
+    count = prompt_count(prompt)
+    if count * n > max_sequences:
+        raise InvalidRequest(f"'prompt': {count} prompts x n {n} = {count * n} sequences, more than one request may "
+                             f"hand the engine (at most {max_sequences}: [engine] max_seqs + max_waiting)")
+
+
 def check_n(n: int, n_parallel: int) -> None:
     """llama-server's hard limit on n_cmpl, 1..n_parallel (server-schema.cpp), against this engine's sequences."""
     if not 1 <= n <= n_parallel:

@@ -31,7 +31,13 @@ from bankml import jstr
 from bankml.errors import InvalidRequest
 from gateway import completion_writer as w
 from gateway.chat_request import parse_body
-from gateway.completion_request import CompletionRequest, check_n, parse_completion, prompt_tokens
+from gateway.completion_request import (
+    CompletionRequest,
+    check_n,
+    check_sequences,
+    parse_completion,
+    prompt_tokens,
+)
 from gateway.derived import apply_openai, layer_num_ctx
 from gateway.engine_client import engine_error
 from gateway.errors import exceed_context, json_response, stream_error
@@ -109,6 +115,8 @@ async def _complete(request, state, kind: Kind):
     req = None
     if kind is not Kind.INFILL:  # /infill's checks come after the model's own (gateway/infill.py)
         req = await asyncio.to_thread(parse_completion, doc, defaults, oai=kind is Kind.OAI)
+        check_n(req.n, state.residency.max_seqs)  # before the lease: a bad request loads nothing
+        check_sequences(req.prompt, req.n, state.residency.max_sequences)
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         model = loaded.model

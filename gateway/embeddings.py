@@ -46,6 +46,10 @@ ELEMENTS = ('"prompt" elements must be a string, a list of tokens, a JSON object
             'list of mixed strings & tokens.')
 PER_CALL = 16  # inputs per engine call (model/embed.py's largest batch)
 N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
+# ours (llama-server has no bound): the inputs of one request, as OpenAI's embeddings API caps them
+# ("any array must be 2048 dimensions or less"); counted on the JSON before the model is held or any
+# input tokenized, so a body of 100k one-word inputs is a 400 at once
+MAX_INPUTS = 2048
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -91,6 +95,13 @@ def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
             raise InvalidRequest('"input" must not be empty')
         return [_subprompt(model, v) for v in value]
     return [_subprompt(model, value)]
+
+
+def check_input_count(value: Any, field: str = "input") -> None:
+    """At most MAX_INPUTS prompts, counted as input_prompts splits them (nothing tokenized)."""
+    if isinstance(value, list) and len(value) > MAX_INPUTS and not any(_is_number(v) for v in value):
+        raise InvalidRequest(f"'{field}': {len(value)} inputs, more than one request may hold "
+                             f"(at most {MAX_INPUTS}, as OpenAI's embeddings API)")
 
 
 def _subprompt(model: NativeModel, value: Any) -> list[int]:
@@ -206,6 +217,7 @@ class EmbeddingRequest:
             self.prompt, oai = doc["content"], False  # "content" is not OAI compatible
         else:
             raise InvalidRequest('"input" or "content" must be provided')
+        check_input_count(self.prompt, "input" if "input" in doc else "content")
         self.oai = oai
         self.base64 = False
         if "encoding_format" in doc:
