@@ -84,3 +84,34 @@ def test_embeddings_take_at_most_2048_inputs_counted_before_any_model_work(serve
     # a token list of any length is one input (refused later by its own rules, never by this count)
     r = post(server, "/v1/embeddings", {"input": [1] * (MAX_INPUTS + 1)})
     assert "inputs, more than" not in r.text
+
+
+class _Model:
+    """What /tokenize reads of a NativeModel: the tokenizer, and tokenize()."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def tokenize(self, text, add_special, parse_special, limit=None):
+        return [int(t) for t in self.tokenizer.encode(text, add_special, parse_special)]
+
+
+def test_tokenize_with_pieces_renders_each_distinct_token_once(smollm2_path, monkeypatch):
+    """A 16 MiB `content` makes millions of tokens: their pieces are looked up once per distinct id and
+    written as text (through jstr.dumps, one dict per token, such a body held a thread for over ten
+    minutes), with the bytes llama-server's shape had before."""
+    from bankml import jstr
+    from gateway.llama_text import tokenize_body, tokenize_json
+    from model.tokenizer import Tokenizer
+
+    model = _Model(Tokenizer.from_gguf(smollm2_path))
+    for body in [{"content": "héllo <|im_start|> wörld 🎉", "with_pieces": True},
+                 {"content": ["a", 5, "b"], "with_pieces": True}, {"content": "x"}, {}, {"content": ""}]:
+        assert tokenize_json(model, body) == jstr.dumps({"tokens": tokenize_body(model, body)}), body
+    calls = []
+    real = model.tokenizer.token_to_piece
+    monkeypatch.setattr(model.tokenizer, "token_to_piece", lambda t, special: calls.append(t) or real(t, special))
+    body = {"content": "ab cd, é " * 20_000, "with_pieces": True}
+    text = tokenize_json(model, body)
+    ids = [t["id"] for t in json.loads(text)["tokens"]]
+    assert len(ids) > 50_000 and sorted(calls) == sorted(set(ids))
