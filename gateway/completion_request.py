@@ -27,11 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from bankml.errors import InvalidRequest, NotSupported
+from bankml.errors import ContextExceeded, InvalidRequest, NotSupported
 from gateway.chat_request import refuse_unsupported
 from gateway.json_values import has_value, json_value, type_name
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import SamplingParams
+from model.tokenizer_bpe import TokenLimitExceeded
 
 N_UNBOUNDED = I32_MAX
 _SAMPLING = {f.name for f in fields(SamplingParams)}
@@ -140,12 +141,21 @@ def _mixed(v: Any) -> bool:
 
 
 def _tokenize_mixed(model, v: Any) -> list[int]:
-    if isinstance(v, str):
-        return model.tokenize(v, True, True)
-    out: list[int] = []
-    for i, e in enumerate(v):
-        out += model.tokenize(e, i == 0, True) if isinstance(e, str) else [e]
-    return out
+    """The tokenizer stops once a string is sure not to fit (NativeModel.count_limit: the count exact up to
+    about twice the context, "at least" beyond), so a 16 MiB prompt costs no more than a long one."""
+    limit = getattr(model, "count_limit", None)
+    bound = {"limit": limit} if limit is not None else {}
+    try:
+        if isinstance(v, str):
+            return model.tokenize(v, True, True, **bound)
+        out: list[int] = []
+        for i, e in enumerate(v):
+            out += model.tokenize(e, i == 0, True, **bound) if isinstance(e, str) else [e]
+        return out
+    except TokenLimitExceeded as e:
+        raise ContextExceeded(f"request (at least {e.at_least} tokens) exceeds the available context size "
+                              f"({model.n_ctx} tokens), try increasing it",
+                              n_prompt_tokens=e.at_least, n_ctx=model.n_ctx) from None
 
 
 _BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '

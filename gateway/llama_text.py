@@ -89,7 +89,14 @@ def detokenize_body(model: Any, body: Any) -> str:
         ids = [get_int(t) for t in tokens]
     except JsonTypeError as e:
         raise InvalidRequest(str(e)) from None
-    return b"".join(piece_of(model, t) for t in ids).decode("utf-8", "replace")
+    pieces: dict[int, bytes] = {}  # each distinct id looked up once (1M ids are at most n_vocab pieces)
+    out = bytearray()
+    for t in ids:
+        piece = pieces.get(t)
+        if piece is None:
+            piece = pieces[t] = piece_of(model, t)
+        out += piece
+    return out.decode("utf-8", "replace")
 
 
 def piece_of(model: Any, token: int) -> bytes:

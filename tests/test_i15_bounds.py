@@ -115,3 +115,39 @@ def test_tokenize_with_pieces_renders_each_distinct_token_once(smollm2_path, mon
     text = tokenize_json(model, body)
     ids = [t["id"] for t in json.loads(text)["tokens"]]
     assert len(ids) > 50_000 and sorted(calls) == sorted(set(ids))
+
+
+def test_a_huge_prompt_string_is_tokenized_only_until_it_cannot_fit(smollm2_path):
+    """A 6 MiB prompt is the exceed-context 400 after about twice the context's tokens (the count "at
+    least"), not after tokenizing all 3M of them; a prompt a little too long keeps its exact count."""
+    from bankml.errors import ContextExceeded
+    from gateway.completion_request import prompt_tokens
+    from gateway.native_model import NativeModel
+    from model.tokenizer import Tokenizer
+
+    model = NativeModel(Tokenizer.from_gguf(smollm2_path), 2048, None, SamplingParams())
+    for prompt in ("a " * 3_000_000, ["hi", "a " * 3_000_000], [["a " * 3_000_000, 5]]):
+        with pytest.raises(ContextExceeded) as e:
+            prompt_tokens(model, prompt)
+        assert e.value.extra["n_ctx"] == 2048 and 2048 < e.value.extra["n_prompt_tokens"] < 3_000_000
+        assert str(e.value).startswith("request (at least ")
+    assert len(prompt_tokens(model, "a " * 2500)[0]) == 5000  # over the context, under the limit: exact
+
+
+def test_detokenize_looks_each_distinct_id_up_once(monkeypatch):
+    from gateway.llama_text import detokenize_body
+
+    calls = []
+
+    class Tok:
+        n_vocab = 300
+
+        def token_to_piece(self, t, special):
+            calls.append(t)
+            return bytes([t % 256])
+
+    class M:
+        tokenizer = Tok()
+
+    assert detokenize_body(M(), {"tokens": [104, 105] * 100_000}) == "hi" * 100_000
+    assert sorted(calls) == [104, 105]
