@@ -151,3 +151,32 @@ def test_detokenize_looks_each_distinct_id_up_once(monkeypatch):
 
     assert detokenize_body(M(), {"tokens": [104, 105] * 100_000}) == "hi" * 100_000
     assert sorted(calls) == [104, 105]
+
+
+def test_a_client_that_leaves_a_stream_of_several_prompts_cancels_every_sequence(tmp_path):
+    """/completion streams two prompts x n 2 (four sequences, two at a time: two wait); the client
+    reads a few events and closes: every sequence is aborted or never run, and the next request is
+    answered (no sequence is left decoding for nobody)."""
+    import re
+
+    from gateway_helpers import connect, request_bytes
+
+    s = FakeServer(*tiny_model(tmp_path), step_ms=5, engine={"max_seqs": 2})
+    try:
+        body = json.dumps({"prompt": ["LONG", "LONG"], "n": 2, "stream": True}).encode()
+        with connect(s.port) as sock:
+            sock.sendall(request_bytes("POST", "/completion", body=body))
+            seen = b""
+            while seen.count(b"data: ") < 6:
+                seen += sock.recv(4096)
+        assert s.wait_for_log(r"(?s)(fake-engine: \S+ aborted after \d+ steps.*){2}") is not None
+        r = post(s, "/completion", {"prompt": "hi", "n_predict": 2})
+        assert r.status_code == 200, r.text
+        ended = re.findall(r"fake-engine: (\S+)-(\d) (\w+) after (\d+) steps", s.log())
+        first = ended[0][0]  # the streamed request's id; its sequences are first-0 .. first-3
+        ours = {int(j): (how, int(n)) for rid, j, how, n in ended if rid == first}
+        # the two running were aborted long before their 5000 pieces; the two waiting never ran (or, if
+        # the engine had taken them already, were aborted there too)
+        assert {0, 1} <= set(ours) and all(how == "aborted" and n < 1000 for how, n in ours.values()), ended
+    finally:
+        s.stop()
