@@ -73,10 +73,15 @@ def _type_error(expected: str, v: Any) -> InvalidRequest:
 
 
 def _nlohmann_int(v: Any) -> int:
-    """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error."""
+    """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error.
+    A number past a C int is undefined behaviour in llama-server's static_cast: ours is a 400 naming the
+    field (it was nlohmann's "type must be number, but is number" for one past 64 bits)."""
+    if isinstance(v, bool | int | float) and not isinstance(v, bool) and not -2**31 <= v < 2**31:
+        raise InvalidRequest(f"'embd_normalize' must be an int (-1 none, 0 max absolute, 1 taxicab, 2 Euclidean, "
+                             f"p > 2 a p-norm), got {v!r}")
     if isinstance(v, bool | int):
         return int(v)
-    if isinstance(v, float) and v == v and abs(v) < 2**63:
+    if isinstance(v, float) and v == v:
         return int(v)
     raise _type_error("number", v)
 

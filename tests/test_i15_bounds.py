@@ -180,3 +180,12 @@ def test_a_client_that_leaves_a_stream_of_several_prompts_cancels_every_sequence
         assert {0, 1} <= set(ours) and all(how == "aborted" and n < 1000 for how, n in ours.values()), ended
     finally:
         s.stop()
+
+
+def test_embd_normalize_past_a_c_int_is_a_400_naming_it(server):
+    for value in (10**30, 1e300, -2**40, 2**31):
+        r = post(server, "/embedding", {"content": "hello", "embd_normalize": value})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith("'embd_normalize' must be an int"), r.text
+    for value in (-1, 0, 1, 2, 3, 1.7, True):  # llama-server's own conversions stand
+        assert post(server, "/embedding", {"content": "hello", "embd_normalize": value}).status_code == 200
