@@ -42,6 +42,12 @@ def tokenize_body(model: Any, body: Any, pieces: bool = True) -> list[int] | lis
     return [{"id": t, "piece": piece_json(piece_of(model, t))} for t in tokens]
 
 
+# ours (llama-server has no bound): `with_pieces` answers ~25 bytes per token, so a 16 MiB content of
+# one-byte tokens made a 371 MiB answer (and twice that in memory while it was written); 1M tokens is
+# about 4 MiB of English text on SmolLM2, a 25 MiB answer. Without with_pieces the ids stay unbounded.
+MAX_PIECES = 1 << 20
+
+
 def tokenize_json(model: Any, body: Any) -> str:
     """llama-server's /tokenize answer as JSON text: `{"tokens": [ids]}`, or with `with_pieces` one
     `{"id", "piece"}` object per token, each distinct token's object written once and reused (a 16 MiB
@@ -51,6 +57,9 @@ def tokenize_json(model: Any, body: Any) -> str:
     if not (isinstance(body, dict) and _flag(body, "with_pieces", False)) or not tokens:
         # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
         return '{"tokens": [' + ",".join(map(str, tokens)) + "]}"
+    if len(tokens) > MAX_PIECES:
+        raise InvalidRequest(f"'with_pieces': the content makes {len(tokens)} tokens, more than this server writes "
+                             f"pieces for (at most {MAX_PIECES}); ask without with_pieces, or in parts")
     written: dict[int, str] = {}
 
     def one(t: int) -> str:

@@ -189,3 +189,16 @@ def test_embd_normalize_past_a_c_int_is_a_400_naming_it(server):
         assert r.json()["error"]["message"].startswith("'embd_normalize' must be an int"), r.text
     for value in (-1, 0, 1, 2, 3, 1.7, True):  # llama-server's own conversions stand
         assert post(server, "/embedding", {"content": "hello", "embd_normalize": value}).status_code == 200
+
+
+def test_tokenize_with_pieces_is_bounded_and_the_ids_are_not(server):
+    from gateway.llama_text import MAX_PIECES
+
+    content = "a" * (MAX_PIECES + 1)  # the fake's tokenizer: one token per byte
+    r = post(server, "/tokenize", {"content": content, "with_pieces": True})
+    assert r.status_code == 400, r.text[:200]
+    assert r.json()["error"]["message"] == (f"'with_pieces': the content makes {MAX_PIECES + 1} tokens, more than this "
+                                            f"server writes pieces for (at most {MAX_PIECES}); ask without "
+                                            "with_pieces, or in parts")
+    r = post(server, "/tokenize", {"content": content})
+    assert r.status_code == 200 and len(r.json()["tokens"]) == MAX_PIECES + 1
