@@ -16,10 +16,10 @@ reads it, before any model work, and the prompt's tokens once the model is held.
    routes `suffix` and `best_of` (b11434 ignores all three, which would answer something else than
    what the client asked for).
 
-`prompt_tokens(model, prompt)` is `tokenize_input_prompts` (server-common.cpp): a string, a list of
-token ids, a list mixing both (the strings tokenized, special tokens parsed, BOS only before the
-first element), or a list of those (each its own sequence); then every id is checked against the
-vocabulary, as llama-server's `server_tokens::validate` does when the task starts.
+`prompt_tokens(model, prompt)` is `tokenize_input_prompts` (gateway/prompt_input.py, shared with the
+embedding routes): a string, a list of token ids, a list mixing both, an object, or a list of those
+(each its own sequence); then every id is checked against the vocabulary, as llama-server's
+`server_tokens::validate` does when the task starts.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from bankml.errors import InvalidRequest, NotSupported
+from bankml.errors import ContextExceeded, InvalidRequest, NotSupported
 from gateway.chat_request import refuse_unsupported
 from gateway.json_values import has_value, json_value, type_name
+from gateway.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import SamplingParams
+from model.tokenizer_bpe import TokenLimitExceeded
 
 N_UNBOUNDED = I32_MAX
 _SAMPLING = {f.name for f in fields(SamplingParams)}
@@ -97,6 +99,17 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
                              fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress)
 
 
+def check_sequences(prompt: Any, n: int, max_sequences: int) -> None:
+    """Ours (llama-server has no bound): one request's prompts x `n` sequences at most what the engine can
+    take at once, its sequences plus its queue's room ([engine] max_seqs + max_waiting; engine_thread's
+    submit_all). Checked before the model is held or any prompt tokenized: a list of thousands of
+    prompts would otherwise cost their tokenization and then a 503 that no retry can cure."""
+    count = prompt_count(prompt)  # prompt_input's split, nothing tokenized
+    if count * n > max_sequences:
+        raise InvalidRequest(f"'prompt': {count} prompts x n {n} = {count * n} sequences, more than one request may "
+                             f"hand the engine (at most {max_sequences}: [engine] max_seqs + max_waiting)")
+
+
 def check_n(n: int, n_parallel: int) -> None:
     """llama-server's hard limit on n_cmpl, 1..n_parallel (server-schema.cpp), against this engine's sequences."""
     if not 1 <= n <= n_parallel:
@@ -106,56 +119,17 @@ def check_n(n: int, n_parallel: int) -> None:
 # --- the prompt's tokens ---------------------------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _all_ints(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(e) for e in v)
-
-
-def _mixed(v: Any) -> bool:
-    """json_is_array_of_mixed_numbers_strings: a list of ids and strings, with at least one of each."""
-    return (isinstance(v, list) and all(_is_int(e) or isinstance(e, str) for e in v)
-            and any(_is_int(e) for e in v) and any(isinstance(e, str) for e in v))
-
-
-def _tokenize_mixed(model, v: Any) -> list[int]:
-    if isinstance(v, str):
-        return model.tokenize(v, True, True)
-    out: list[int] = []
-    for i, e in enumerate(v):
-        out += model.tokenize(e, i == 0, True) if isinstance(e, str) else [e]
-    return out
-
-
-_BAD_PROMPT = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '
-               "or a list of mixed strings & tokens.")
-
-
-def _one_prompt(model, p: Any) -> list[int]:
-    if isinstance(p, str) or _mixed(p):
-        return _tokenize_mixed(model, p)
-    if _all_ints(p):
-        return list(p)
-    if isinstance(p, dict) and isinstance(p.get("prompt_string"), str):
-        # b11434's multimodal prompt object; its text alone is a prompt, its media are not served
-        if p.get("multimodal_data"):
-            raise NotSupported("'multimodal_data' is not supported by bankml serve --native")
-        return _tokenize_mixed(model, p["prompt_string"])
-    raise InvalidRequest(_BAD_PROMPT)
-
-
 def prompt_tokens(model, prompt: Any) -> list[list[int]]:
-    """tokenize_input_prompts(vocab, prompt, add_special=true, parse_special=true) as b11434 answers it
-    (recorded): one prompt, or a list of them; an empty one is answered empty (`[[]]`, or "" for a
-    model that adds no BOS), every id checked against the vocabulary."""
-    if isinstance(prompt, list) and not prompt:
-        raise InvalidRequest('"prompt" must not be empty')
-    if isinstance(prompt, list) and not _mixed(prompt) and not _all_ints(prompt):
-        prompts = [_one_prompt(model, p) for p in prompt]
-    else:
-        prompts = [_one_prompt(model, prompt)]
+    """tokenize_input_prompts (gateway/prompt_input.py) as b11434 answers it on /completion (recorded):
+    one prompt, or a list of them; an empty one is answered empty (`[[]]`, or "" for a model that adds
+    no BOS), every id checked against the vocabulary. A string is tokenized only until it is sure not
+    to fit (NativeModel.count_limit: the count exact up to about twice the context, "at least" beyond)."""
+    try:
+        prompts = tokenize_input_prompts(model, prompt, "prompt", getattr(model, "count_limit", None))
+    except TokenLimitExceeded as e:
+        raise ContextExceeded(f"request (at least {e.at_least} tokens) exceeds the available context size "
+                              f"({model.n_ctx} tokens), try increasing it",
+                              n_prompt_tokens=e.at_least, n_ctx=model.n_ctx) from None
     n_vocab = vocab_size(model)
     for ids in prompts:
         if n_vocab is not None and any(not 0 <= t < n_vocab for t in ids):

@@ -5,13 +5,16 @@
    /completion, not OpenAI's route); `/v1/completions` resolves `model` as
    `/v1/chat/completions` does (404 for an unknown name; a derived model's parameters fill the body);
 2. read the fields as llama-server reads them (completion_request.parse_completion): its 400s (and
-   its 500s for the OpenAI layer's refusals) before any model work, then ours;
-3. lease the model for the whole answer (residency.py); `n` against the engine's sequences;
+   its 500s for the OpenAI layer's refusals) before any model work, then ours; `n` against the
+   engine's sequences, and the prompts x `n` against what one request may hand the engine
+   ([engine] max_seqs + max_waiting, counted on the JSON: a 400 naming the limit);
+3. lease the model for the whole answer (residency.py);
 4. the prompts' tokens (off the loop): /infill's FIM layout (gateway/infill.py, whose refusal of a
    model without FIM tokens comes first), else `prompt_tokens`; a prompt of n_ctx tokens or more is
    llama-server's exceed-context 400;
-5. one sequence per prompt and per `n` (index `prompt * n + j`), all handed to the engine at once
-   (generation.py), so they decode together;
+5. one sequence per prompt and per `n` (index `prompt * n + j`), all handed to the engine at once,
+   all or none (generation.py: a queue without room for all is a 503 with nothing queued), so they
+   decode together;
 6. written as llama-server writes them (completion_writer.py): one object, or a list for several
    sequences (the OpenAI route: one object whose `choices` hold them all, as llama-server merges
    them), or SSE events as the tokens come; each sequence's receipt over the text exactly as sent
@@ -31,7 +34,13 @@ from bankml import jstr
 from bankml.errors import InvalidRequest
 from gateway import completion_writer as w
 from gateway.chat_request import parse_body
-from gateway.completion_request import CompletionRequest, check_n, parse_completion, prompt_tokens
+from gateway.completion_request import (
+    CompletionRequest,
+    check_n,
+    check_sequences,
+    parse_completion,
+    prompt_tokens,
+)
 from gateway.derived import apply_openai, layer_num_ctx
 from gateway.engine_client import engine_error
 from gateway.errors import exceed_context, json_response, stream_error
@@ -109,6 +118,8 @@ async def _complete(request, state, kind: Kind):
     req = None
     if kind is not Kind.INFILL:  # /infill's checks come after the model's own (gateway/infill.py)
         req = await asyncio.to_thread(parse_completion, doc, defaults, oai=kind is Kind.OAI)
+        check_n(req.n, state.residency.max_seqs)  # before the lease: a bad request loads nothing
+        check_sequences(req.prompt, req.n, state.residency.max_sequences)
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         model = loaded.model

@@ -37,15 +37,18 @@ from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFaile
 from gateway.chat_request import parse_body
 from gateway.errors import json_response
 from gateway.native_model import NativeModel
+from gateway.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.receipt import Tally
 from gateway.residency import FOREVER
 from model.engine_thread import EngineThreadFailed
 from model.pooling import POOLING_NONE, EmbedError
 
-ELEMENTS = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a '
-            'list of mixed strings & tokens.')
 PER_CALL = 16  # inputs per engine call (model/embed.py's largest batch)
 N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
+# ours (llama-server has no bound): the inputs of one request, as OpenAI's embeddings API caps them
+# ("any array must be 2048 dimensions or less"); counted on the JSON before the model is held or any
+# input tokenized, so a body of 100k one-word inputs is a 400 at once
+MAX_INPUTS = 2048
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -70,74 +73,30 @@ def _type_error(expected: str, v: Any) -> InvalidRequest:
 
 
 def _nlohmann_int(v: Any) -> int:
-    """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error."""
+    """`int x = json` as nlohmann converts it: numbers truncated, booleans 0/1, anything else its type_error.
+    A number past a C int is undefined behaviour in llama-server's static_cast: ours is a 400 naming the
+    field (it was nlohmann's "type must be number, but is number" for one past 64 bits)."""
+    if isinstance(v, bool | int | float) and not isinstance(v, bool) and not -2**31 <= v < 2**31:
+        raise InvalidRequest(f"'embd_normalize' must be an int (-1 none, 0 max absolute, 1 taxicab, 2 Euclidean, "
+                             f"p > 2 a p-norm), got {v!r}")
     if isinstance(v, bool | int):
         return int(v)
-    if isinstance(v, float) and v == v and abs(v) < 2**63:
+    if isinstance(v, float) and v == v:
         return int(v)
     raise _type_error("number", v)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
 def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
-    """llama-server's tokenize_input_prompts(add_special=true, parse_special=true) (tools/server/utils.hpp):
-    an array holding any number is one prompt (tokens, or a mix of strings and tokens), any other
-    array a list of prompts; a string or an object (`_object_text`) is one prompt."""
-    if isinstance(value, list) and not any(_is_number(v) for v in value):
-        if not value:
-            raise InvalidRequest('"input" must not be empty')
-        return [_subprompt(model, v) for v in value]
-    return [_subprompt(model, value)]
+    """llama-server's tokenize_input_prompts (gateway/prompt_input.py, shared with /completion), its empty
+    list's 400 naming "input"."""
+    return tokenize_input_prompts(model, value, "input")
 
 
-def _subprompt(model: NativeModel, value: Any) -> list[int]:
-    if isinstance(value, str):
-        return model.tokenize(value, True, True)
-    if isinstance(value, dict):
-        return model.tokenize(_object_text(value), True, True)
-    if isinstance(value, list) and any(_is_number(v) for v in value):
-        out: list[int] = []
-        for i, piece in enumerate(value):  # tokenize_mixed: only the first piece gets the BOS
-            if isinstance(piece, str):
-                out += model.tokenize(piece, i == 0, True)
-            elif _is_number(piece):
-                out.append(_nlohmann_int(piece))
-            else:  # a boolean, null, array or object among the tokens
-                raise InvalidRequest(ELEMENTS)
-        return out
-    raise InvalidRequest(ELEMENTS)
-
-
-def _object_text(value: dict) -> str:
-    """A prompt given as an object (b11434, recorded): `prompt_string` (with `multimodal_data` the refusal
-    of a text-only model), else `content` as OpenAI's parts, whose texts are joined."""
-    if "prompt_string" in value:
-        text = value["prompt_string"]
-        if not isinstance(text, str):
-            raise _type_error("string", text)
-        if "multimodal_data" in value:
-            raise RequestFailed("Multimodal data provided, but model does not support multimodal requests.")
-        return text
-    if "content" not in value:
-        raise InvalidRequest(ELEMENTS)
-    parts = value["content"]
-    if not isinstance(parts, list):
-        raise InvalidRequest('"content" must be an array')
-    texts = []
-    for part in parts:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text":
-            text = part.get("text")
-            texts.append(text if isinstance(text, str) else "")  # a text that is not a string reads as ""
-        elif kind in ("image_url", "input_audio"):
-            raise RequestFailed(f"{'image' if kind == 'image_url' else 'audio'} input is not supported - hint: if this "
-                                "is unexpected, you may need to provide the mmproj")
-        else:
-            raise InvalidRequest("unsupported content[].type")
-    return "".join(texts)
+def check_input_count(value: Any, field: str = "input") -> None:
+    """At most MAX_INPUTS prompts, counted as input_prompts splits them (nothing tokenized)."""
+    if prompt_count(value) > MAX_INPUTS:
+        raise InvalidRequest(f"'{field}': {prompt_count(value)} inputs, more than one request may hold "
+                             f"(at most {MAX_INPUTS}, as OpenAI's embeddings API)")
 
 
 def check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
@@ -206,6 +165,7 @@ class EmbeddingRequest:
             self.prompt, oai = doc["content"], False  # "content" is not OAI compatible
         else:
             raise InvalidRequest('"input" or "content" must be provided')
+        check_input_count(self.prompt, "input" if "input" in doc else "content")
         self.oai = oai
         self.base64 = False
         if "encoding_format" in doc:

@@ -66,6 +66,37 @@ class _Submitted:
             self._generation.cancel()
 
 
+class _SubmittedAll:
+    """Several generations submitted together (engine_thread.submit_all: all or none); leaving the block
+    cancels every one not done."""
+
+    def __init__(self, thread: EngineThread, requests: list[GenerateRequest]):
+        self._thread = thread
+        self._requests = requests
+        self._generations: list[Generation] = []
+
+    async def __aenter__(self) -> list[Generation]:
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in self._requests]
+
+        def emitter(queue: asyncio.Queue) -> Callable[[StepOutput], None]:
+            def emit(out: StepOutput) -> None:  # runs on the engine thread
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, out)
+                except RuntimeError:  # the loop is closed: the server is stopping
+                    pass
+            return emit
+
+        tickets = self._thread.submit_all([(r, emitter(q)) for r, q in zip(self._requests, queues, strict=True)])
+        self._generations = [Generation(q, t) for q, t in zip(queues, tickets, strict=True)]
+        return self._generations
+
+    async def __aexit__(self, *exc) -> None:
+        for generation in self._generations:
+            if not generation.done:
+                generation.cancel()
+
+
 class EngineClient:
     def __init__(self, thread: EngineThread):
         self.thread = thread
@@ -73,6 +104,11 @@ class EngineClient:
     def generate(self, request: GenerateRequest) -> _Submitted:
         """`async with client.generate(req) as gen: async for out in gen: ...`"""
         return _Submitted(self.thread, request)
+
+    def generate_all(self, requests: list[GenerateRequest]) -> _SubmittedAll:
+        """`async with client.generate_all(reqs) as gens:` every request queued at once, or none
+        (Overloaded when the engine's queue has no room for all of them)."""
+        return _SubmittedAll(self.thread, requests)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread (load, warm, unload) and await its result."""

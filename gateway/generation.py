@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from gateway.engine_client import engine_error
@@ -46,21 +46,18 @@ def empty_answer() -> StepOutput:
     return StepOutput(token=None, finish_reason=FinishReason.LENGTH, stop_type="none", utf8_complete=False)
 
 
-async def _one(loaded, request: GenerateRequest, entry: Entry | None) -> Finished:
-    if not request.prompt_tokens:
-        return Finished("", empty_answer())
+async def _read(loaded, generation, entry: Entry | None) -> Finished:
     pieces: list[str] = []
     tokens: list[int] = []
     entries: list[dict] = []
     last: StepOutput | None = None
-    async with loaded.client.generate(request) as generation:
-        async for out in generation:
-            pieces.append(out.text)
-            if out.token is not None:
-                tokens.append(out.token)
-            if entry is not None and out.logprobs is not None:
-                entries.append(entry(out))
-            last = out
+    async for out in generation:
+        pieces.append(out.text)
+        if out.token is not None:
+            tokens.append(out.token)
+        if entry is not None and out.logprobs is not None:
+            entries.append(entry(out))
+        last = out
     if not completed(last):
         raise engine_error(loaded.client, last or StepOutput(token=None))
     if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
@@ -70,14 +67,23 @@ async def _one(loaded, request: GenerateRequest, entry: Entry | None) -> Finishe
 
 
 async def whole(loaded, requests: list[GenerateRequest], entry: Entry | None = None) -> list[Finished]:
-    """Every sequence to its end, submitted together; the first failure fails the answer (and cancels
-    the others: gather cancels its tasks, and each leaves its `async with`)."""
-    tasks = [asyncio.ensure_future(_one(loaded, r, entry)) for r in requests]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
+    """Every sequence to its end, submitted together (all or none: the engine's queue refuses a list it
+    has no room for before any is queued); the first failure fails the answer (and cancels the others:
+    gather cancels its tasks, and leaving `generate_all` cancels every sequence not done)."""
+    live = [r for r in requests if r.prompt_tokens]  # an empty prompt is answered here, never queued
+    async with loaded.client.generate_all(live) as generations:
+        queued = iter(generations)
+
+        async def empty() -> Finished:
+            return Finished("", empty_answer())
+
+        tasks = [asyncio.ensure_future(_read(loaded, next(queued), entry) if r.prompt_tokens else empty())
+                 for r in requests]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
 
 
 @asynccontextmanager
@@ -85,9 +91,9 @@ async def outputs(loaded, requests: list[GenerateRequest]) -> AsyncIterator[Asyn
     """`async with outputs(loaded, reqs) as stream: async for index, out in stream: ...` (each
     sequence's outputs in order, the sequences interleaved as the engine makes them; the stream ends
     when every sequence has its last output)."""
-    async with AsyncExitStack() as stack:
-        generations = {i: await stack.enter_async_context(loaded.client.generate(r))
-                       for i, r in enumerate(requests) if r.prompt_tokens}
+    indices = [i for i, r in enumerate(requests) if r.prompt_tokens]
+    async with loaded.client.generate_all([requests[i] for i in indices]) as queued:
+        generations = dict(zip(indices, queued, strict=True))
         if len(requests) == 1 and generations:  # the common case: no merging task
             async def single() -> AsyncIterator[tuple[int, StepOutput]]:
                 async for out in generations[0]:

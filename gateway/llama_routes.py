@@ -27,7 +27,7 @@ from gateway.chat_request import has_tools, openai_layer, parse_body
 from gateway.errors import json_response
 from gateway.json_values import get_bool, json_value
 from gateway.llama_props import props_json
-from gateway.llama_text import detokenize_body, tokenize_body
+from gateway.llama_text import detokenize_body, tokenize_json
 from gateway.ollama_models import v1_models_data
 from gateway.params_json import params_json
 from gateway.sanic_app import query_of, takes_query
@@ -71,11 +71,7 @@ async def tokenize(request, state):
     """llama-server's `POST /tokenize` (gateway/llama_text.py reads the body as b11434 does)."""
     req = await _off_loop(parse_body, request.body)  # JSON as llama-server reads it (a lone surrogate is a 400)
     loaded = await state.residency.current()
-    tokens = await _off_loop(tokenize_body, loaded.model, req)
-    if tokens and isinstance(tokens[0], dict):
-        return json_response(jstr.dumps({"tokens": tokens}))
-    # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
-    return json_response('{"tokens": [' + ",".join(map(str, tokens)) + "]}")
+    return json_response(await _off_loop(tokenize_json, loaded.model, req))
 
 
 async def detokenize(request, state):

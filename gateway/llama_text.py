@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bankml import jstr
 from bankml.errors import InvalidRequest, RequestFailed
 from gateway.json_values import JsonTypeError, get_bool, get_int, get_string, json_value, type_name
 
@@ -27,17 +28,47 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return json_value(body, key, default, get_bool)
 
 
-def tokenize_body(model: Any, body: Any) -> list[int] | list[dict]:
-    """The `tokens` of llama-server's /tokenize answer for `body` (ids, or {"id", "piece"} objects)."""
+def tokenize_body(model: Any, body: Any, pieces: bool = True) -> list[int] | list[dict]:
+    """The `tokens` of llama-server's /tokenize answer for `body` (ids, or {"id", "piece"} objects;
+    `pieces` False: the ids whatever `with_pieces` says). The route writes them with tokenize_json."""
     if not isinstance(body, dict) or "content" not in body:
         return []  # llama-server: no `content`, no tokens (a body that is not an object has none)
     add_special = _flag(body, "add_special", False)
     parse_special = _flag(body, "parse_special", True)
     with_pieces = _flag(body, "with_pieces", False)
     tokens = tokenize_mixed(model, body["content"], add_special, parse_special)
-    if not with_pieces:
+    if not (with_pieces and pieces):
         return tokens
     return [{"id": t, "piece": piece_json(piece_of(model, t))} for t in tokens]
+
+
+# ours (llama-server has no bound): `with_pieces` answers ~25 bytes per token, so a 16 MiB content of
+# one-byte tokens made a 371 MiB answer (and twice that in memory while it was written); 1M tokens is
+# about 4 MiB of English text on SmolLM2, a 25 MiB answer. Without with_pieces the ids stay unbounded.
+MAX_PIECES = 1 << 20
+
+
+def tokenize_json(model: Any, body: Any) -> str:
+    """llama-server's /tokenize answer as JSON text: `{"tokens": [ids]}`, or with `with_pieces` one
+    `{"id", "piece"}` object per token, each distinct token's object written once and reused (a 16 MiB
+    content makes millions of tokens but at most n_vocab distinct ones: without the cache, and
+    written through jstr.dumps, such a body held a thread for many minutes and gigabytes)."""
+    tokens = tokenize_body(model, body, pieces=False)
+    if not (isinstance(body, dict) and _flag(body, "with_pieces", False)) or not tokens:
+        # the Rust bankml writes the list compactly: {"tokens": [1,2,3]}
+        return '{"tokens": [' + ",".join(map(str, tokens)) + "]}"
+    if len(tokens) > MAX_PIECES:
+        raise InvalidRequest(f"'with_pieces': the content makes {len(tokens)} tokens, more than this server writes "
+                             f"pieces for (at most {MAX_PIECES}); ask without with_pieces, or in parts")
+    written: dict[int, str] = {}
+
+    def one(t: int) -> str:
+        w = written.get(t)
+        if w is None:
+            w = written[t] = f'{{"id": {t}, "piece": {jstr.dumps(piece_json(piece_of(model, t)))}}}'
+        return w
+
+    return '{"tokens": [' + ", ".join(one(t) for t in tokens) + "]}"
 
 
 def tokenize_mixed(model: Any, value: Any, add_special: bool, parse_special: bool) -> list[int]:
@@ -67,7 +98,14 @@ def detokenize_body(model: Any, body: Any) -> str:
         ids = [get_int(t) for t in tokens]
     except JsonTypeError as e:
         raise InvalidRequest(str(e)) from None
-    return b"".join(piece_of(model, t) for t in ids).decode("utf-8", "replace")
+    pieces: dict[int, bytes] = {}  # each distinct id looked up once (1M ids are at most n_vocab pieces)
+    out = bytearray()
+    for t in ids:
+        piece = pieces.get(t)
+        if piece is None:
+            piece = pieces[t] = piece_of(model, t)
+        out += piece
+    return out.decode("utf-8", "replace")
 
 
 def piece_of(model: Any, token: int) -> bytes:

@@ -31,7 +31,7 @@ import numpy as np
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from gateway.derived import layer_num_ctx
-from gateway.embeddings import embed_all, engine_call, vector_json
+from gateway.embeddings import check_input_count, embed_all, engine_call, vector_json
 from gateway.errors import json_response
 from gateway.ollama_request import keep_alive, read_body, read_options
 from gateway.receipt import Tally
@@ -51,6 +51,7 @@ class _Request:
             self.inputs = [prompt] if prompt else []
         else:
             self.inputs = _inputs(doc.get("input"))
+            check_input_count(self.inputs)
         self.truncate = doc.get("truncate")
         if self.truncate is not None and not isinstance(self.truncate, bool):
             raise InvalidRequest("truncate must be true or false")

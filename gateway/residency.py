@@ -132,7 +132,7 @@ class Residency:
     def __init__(self, registry: Registry, startup_gated: GatedModel, loader: Loader, *, max_loaded: int = 3,
                  budget_bytes: int = 0, default_keep_alive_s: float = 300.0, ctx: int = 4096,
                  max_waiting: int = 256, estimate: Estimate | None = None,
-                 chat_template: ChatTemplateFile | None = None):
+                 chat_template: ChatTemplateFile | None = None, max_seqs: int = 4):
         """budget_bytes 0: no memory budget (only max_loaded bounds the count). `chat_template`: the
         --chat-template-file, which replaces the startup model's template, and only its: llama-server
         serves one model, and a template is written for one model's special tokens."""
@@ -144,6 +144,7 @@ class Residency:
         self.default_keep_alive_s = default_keep_alive_s
         self.ctx = ctx
         self.max_waiting = max_waiting
+        self.max_seqs = max_seqs  # [engine] max_seqs: each engine thread's sequences (llama-server's n_parallel)
         self.estimate = estimate or os.path.getsize
         self.chat_template = chat_template
         self.last: Loaded | None = None  # the most recent verification, for GET /bankml
@@ -160,6 +161,13 @@ class Residency:
     @property
     def names(self) -> list[str]:
         return self.registry.names()
+
+    @property
+    def max_sequences(self) -> int:
+        """The most sequences one request may hand an engine at once: an idle engine's sequences plus its
+        queue's room (engine_thread.submit_all takes no more), so a bigger request is a 400 at once,
+        never a 503 that no retry can cure."""
+        return self.max_seqs + self.max_waiting
 
     @property
     def meter(self) -> Any:

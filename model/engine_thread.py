@@ -148,31 +148,39 @@ class EngineThread:
 
     def submit(self, request: GenerateRequest, emit: Emit) -> Ticket:
         """Queue a generation. Raises Overloaded when `max_waiting` requests already wait."""
-        job = _Generate(request, emit)
+        return self.submit_all([(request, emit)])[0]
+
+    def submit_all(self, jobs: list[tuple[GenerateRequest, Emit]]) -> list[Ticket]:
+        """Queue several generations (one request's prompts x n) all or none: Overloaded, with nothing
+        queued, when the last of them would find `max_waiting` requests already waiting (a list bigger
+        than the room is refused up front, never half-submitted and then cancelled)."""
+        made = [_Generate(request, emit) for request, emit in jobs]
         with self._lock:
             failure = self.failure
-            if failure is None:
-                waiting = self._beyond_slots_locked()
+            if failure is None and made:
+                waiting = self._beyond_slots_locked(len(made) - 1)
                 if waiting >= self.max_waiting:
                     raise Overloaded(f"the server is busy: {waiting} requests are waiting for a sequence "
                                      f"([engine] max_waiting = {self.max_waiting}); try again shortly")
-                self._pending += 1
-                self._jobs.put(job)
+                self._pending += len(made)
+                for job in made:
+                    self._jobs.put(job)
         if failure is not None:
-            emit(_error(request, f"the engine thread stopped: {failure}"))
-        return Ticket(job)
+            for job in made:
+                job.emit(_error(job.request, f"the engine thread stopped: {failure}"))
+        return [Ticket(job) for job in made]
 
     def _waiting_locked(self) -> int:
         stats = self._stats
         return self._pending + (stats.waiting if stats is not None else 0)
 
-    def _beyond_slots_locked(self) -> int:
-        """The requests that will wait for a sequence: those queued here or in the engine, less the
-        free sequences the next admission gives them (a burst is not refused for the running
-        iteration's sake)."""
+    def _beyond_slots_locked(self, more: int = 0) -> int:
+        """The requests that will wait for a sequence: those queued here or in the engine (and `more`
+        about to be), less the free sequences the next admission gives them (a burst is not refused
+        for the running iteration's sake)."""
         stats = self._stats
         free = stats.max_seqs - stats.running if stats is not None else 0
-        return max(0, self._waiting_locked() - free)
+        return max(0, self._waiting_locked() + more - free)
 
     def in_flight(self) -> tuple[int, int]:
         """(running, waiting) generations; (0, 0) once the thread is gone (everything it held was answered
