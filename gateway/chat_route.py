@@ -34,9 +34,8 @@ import uuid
 from gateway.chat_request import parse_body, parse_chat_request
 from gateway.completion_request import N_UNBOUNDED, check_n
 from gateway.completion_route import engine_sequences, resolve_for
-from gateway.engine_client import engine_error
-from gateway.errors import exceed_context, json_response, stream_error
-from gateway.generation import outputs, whole
+from gateway.errors import exceed_context, json_response
+from gateway.generation import end_failed, open_sse, outputs, whole
 from gateway.monitoring import Answer
 from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
 from gateway.receipt import Tally
@@ -114,15 +113,11 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
     async with outputs(loaded, requests) as stream:
         async for j, out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                if response is None:
-                    raise engine_error(loaded.client, out)
-                await response.send(stream_error(engine_error(loaded.client, out)))  # no receipt for a failed answer
-                await response.eof()
+                await end_failed(response, loaded, out)
                 return None  # the answer went out through `response`
             entry = [logprob_entry(out.logprobs)] if out.logprobs is not None else None
             if response is None:
-                response = await request.respond(content_type="text/event-stream",
-                                                  headers={"Cache-Control": "no-cache"})
+                response = await open_sse(request)
             if out.progress is not None:  # return_progress: a role delta with the prompt's progress (b11434)
                 await response.send(completion.progress_chunk(j, out.progress.to_json()))
                 continue

@@ -42,9 +42,8 @@ from gateway.completion_request import (
     prompt_tokens,
 )
 from gateway.derived import apply_openai, layer_num_ctx
-from gateway.engine_client import engine_error
-from gateway.errors import exceed_context, json_response, stream_error
-from gateway.generation import Finished, outputs, whole
+from gateway.errors import exceed_context, json_response
+from gateway.generation import Finished, end_failed, open_sse, outputs, whole
 from gateway.openai_chat import DONE_EVENT, logprob_entry
 from gateway.params_json import params_json
 from gateway.receipt import Tally
@@ -217,14 +216,10 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer,
     async with outputs(loaded, requests) as stream:
         async for i, out in stream:
             if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                if response is None:
-                    raise engine_error(loaded.client, out)
-                await response.send(stream_error(engine_error(loaded.client, out)))  # no receipt for a failed answer
-                await response.eof()
-                return None
+                await end_failed(response, loaded, out)
+                return None  # the answer went out through `response`
             if response is None:
-                response = await request.respond(content_type="text/event-stream",
-                                                  headers={"Cache-Control": "no-cache"})
+                response = await open_sse(request)
             if out.progress is not None:  # return_progress: how far the prompt has come
                 await response.send(w.event(w.oai_progress(a.id, a.created, a.model, i, out) if a.kind is Kind.OAI
                                             else w.llama_progress(i, out)))

@@ -36,6 +36,7 @@ from bankml import jstr
 from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
 from gateway.chat_request import parse_body
 from gateway.errors import json_response
+from gateway.json_values import type_name
 from gateway.native_model import NativeModel
 from gateway.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.receipt import Tally
@@ -54,22 +55,9 @@ MAX_INPUTS = 2048
 # --- reading ---------------------------------------------------------------------------------------------
 
 
-def _type_name(v: Any) -> str:
-    """nlohmann's type_name() of a JSON value, for its type_error messages."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int | float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "array" if isinstance(v, list) else "object"
-
-
 def _type_error(expected: str, v: Any) -> InvalidRequest:
     # a json exception while reading the body is llama-server's 400 (recorded: embeddings_smollm2.json)
-    return InvalidRequest(f"[json.exception.type_error.302] type must be {expected}, but is {_type_name(v)}")
+    return InvalidRequest(f"[json.exception.type_error.302] type must be {expected}, but is {type_name(v)}")
 
 
 def _nlohmann_int(v: Any) -> int:

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from gateway.engine_client import engine_error
+from gateway.errors import stream_error
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
 Entry = Callable[[StepOutput], dict]  # a logprob entry as the route writes it
@@ -125,3 +126,18 @@ async def outputs(loaded, requests: list[GenerateRequest]) -> AsyncIterator[Asyn
         finally:
             for p in pumps:
                 p.cancel()
+
+
+async def open_sse(request):
+    """The head of an SSE answer; it goes out with the first output, so a failure before it is still an
+    ordinary error status."""
+    return await request.respond(content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def end_failed(response, loaded, out: StepOutput) -> None:
+    """A sequence failed (out: its ERROR or ABORT output): before the head is sent, the engine's error
+    status; after it, an SSE error event and the end of the stream (no receipt for a failed answer)."""
+    if response is None:
+        raise engine_error(loaded.client, out)
+    await response.send(stream_error(engine_error(loaded.client, out)))
+    await response.eof()
