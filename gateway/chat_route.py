@@ -37,7 +37,7 @@ from gateway.completion_route import engine_sequences, resolve_for
 from gateway.errors import exceed_context, json_response
 from gateway.generation import end_failed, open_sse, outputs, whole
 from gateway.monitoring import Answer
-from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event
+from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event, timings
 from gateway.receipt import Tally
 from gateway.request_fields import gguf_defaults
 from gateway.residency import FOREVER
@@ -140,7 +140,8 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
                     tally.logprobs(sent_entries[j])
                 answer.record(_stem(loaded), out)
                 await response.send(completion.final_chunks(out, j, timed))
-                await response.send(receipt_event(tally.receipt_for(loaded), None if len(requests) == 1 else j))
+                await response.send(receipt_event(tally.receipt_for(loaded), None if len(requests) == 1 else j,
+                                                  timings(out) if timed else None))
         if response is not None:
             await response.send(DONE_EVENT)
             await response.eof()

@@ -156,14 +156,19 @@ def _event(obj: dict) -> bytes:
     return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
 
 
-def receipt_event(receipt: dict, index: int | None = None) -> bytes:
+def receipt_event(receipt: dict, index: int | None = None, times: dict | None = None) -> bytes:
     """The receipt, last before [DONE]. Not a chunk (no `object`, no `id`): the openai client's stream
     helper skips it, where a chunk would overwrite the usage it gathered; `choices` is there, empty,
     for clients that read it on every event. With `n` > 1, one per choice, after its last chunk, with
-    the choice's `index`."""
-    if index is None:
-        return _event({"choices": [], "bankml_receipt": receipt})
-    return _event({"choices": [], "index": index, "bankml_receipt": receipt})
+    the choice's `index`. With timings_per_token, llama-server's clients expect `timings` on every event
+    whose `choices` is empty (its usage chunk's): the final timings ride here too (`times`)."""
+    event: dict = {"choices": []}
+    if index is not None:
+        event["index"] = index
+    if times is not None:
+        event["timings"] = times
+    event["bankml_receipt"] = receipt
+    return _event(event)
 
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -308,6 +308,10 @@ def test_chat_timings_per_token(server):
                                                        "timings_per_token": True}).text)
     content = [e for e in evs if e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content")]
     assert [e["timings"]["predicted_n"] for e in content] == [1, 2]
+    # llama.cpp's own test reads `timings` on every event whose choices are empty: the receipt's too
+    empty = [e for e in evs[1:] if e != "[DONE]" and not e["choices"]]
+    assert empty and all(e["timings"]["predicted_n"] == 2 for e in empty)
+    assert "bankml_receipt" in empty[-1]
 
 
 def test_infill_on_a_model_without_fim_tokens_is_llama_servers_501(server):
