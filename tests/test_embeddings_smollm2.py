@@ -51,12 +51,16 @@ def _recorded(body) -> list[np.ndarray]:
 def test_engine_matches_llama_cpp(engine, pooling):
     answers = FIXTURE["answers"][pooling]
     checked = 0
+    embedded: dict[str, list] = {}  # many requests embed the same inputs under another normalization
     for name, answer in answers.items():
         if answer["status"] != 200 or FIXTURE["tokens"].get(name) is None:
             continue
         path, request = FIXTURE["requests"][name]
         tokens = FIXTURE["tokens"][name]
-        ours = engine.embed(tokens, POOLINGS[pooling])
+        key = json.dumps(tokens)
+        if key not in embedded:
+            embedded[key] = engine.embed(tokens, POOLINGS[pooling])
+        ours = embedded[key]
         for v, ref in zip(ours, _recorded(answer["body"]), strict=True):
             if pooling == "none":  # one vector per token, never normalized
                 close_enough(v, ref)
