@@ -35,13 +35,13 @@ from gateway.chat_request import parse_body, parse_chat_request
 from gateway.completion_request import N_UNBOUNDED, check_n
 from gateway.completion_route import engine_sequences, resolve_for
 from gateway.errors import exceed_context, json_response
-from gateway.generation import end_failed, open_sse, outputs, whole
+from gateway.generation import answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
 from gateway.monitoring import Answer
 from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event, timings
 from gateway.receipt import Tally
 from gateway.request_fields import gguf_defaults
 from gateway.residency import FOREVER
-from model.messages import FinishReason, GenerateRequest, StepOutput
+from model.messages import FinishReason, GenerateRequest
 
 
 async def chat_completions(request, state):
@@ -75,31 +75,19 @@ async def chat_completions(request, state):
             state.residency.touch(pin.name, FOREVER)  # spec §2: /v1 keeps its model forever
 
 
-def _stem(loaded) -> str:
-    return loaded.file_name.removesuffix(".gguf")  # the metrics record's model: the file stem, its case kept
-
-
-def _receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
-    tally.sent(text)
-    if entries:
-        tally.logprobs(entries)
-    tally.answered(last)
-    return tally.receipt_for(loaded)
-
-
 async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer):
     tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
     done = await whole(loaded, requests, lambda out: logprob_entry(out.logprobs))
     for f in done:
-        answer.record(_stem(loaded), f.last)
+        answer.record(metrics_model(loaded), f.last)
     if len(done) == 1:
         f = done[0]
-        return json_response(completion.body(f.text, f.last, _receipt(loaded, tallies[0], f.text, f.last, f.entries),
+        return json_response(completion.body(f.text, f.last, answer_receipt(loaded, tallies[0], f.text, f.last, f.entries),
                                              f.entries))
     choices = []
     for j, f in enumerate(done):  # n > 1: each choice is an answer, with its own receipt
         choice = completion.choice(j, f.text, f.last, f.entries)
-        choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+        choice["bankml_receipt"] = answer_receipt(loaded, tallies[j], f.text, f.last, f.entries)
         choices.append(choice)
     return json_response(completion.body_of(choices, done[0].last, None))
 
@@ -138,7 +126,7 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
                 tally.answered(out)
                 if sent_entries[j]:
                     tally.logprobs(sent_entries[j])
-                answer.record(_stem(loaded), out)
+                answer.record(metrics_model(loaded), out)
                 await response.send(completion.final_chunks(out, j, timed))
                 await response.send(receipt_event(tally.receipt_for(loaded), None if len(requests) == 1 else j,
                                                   timings(out) if timed else None))

@@ -43,7 +43,7 @@ from gateway.completion_request import (
 )
 from gateway.derived import apply_openai, layer_num_ctx
 from gateway.errors import exceed_context, json_response
-from gateway.generation import Finished, end_failed, open_sse, outputs, whole
+from gateway.generation import Finished, answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
 from gateway.openai_chat import DONE_EVENT, logprob_entry
 from gateway.params_json import params_json
 from gateway.receipt import Tally
@@ -161,33 +161,21 @@ def _infill_prompts(model, doc, defaults, n_ctx: int) -> tuple[CompletionRequest
     return req, [ids]
 
 
-def _stem(loaded) -> str:
-    return loaded.file_name.removesuffix(".gguf")
-
-
 def _entry(out: StepOutput) -> dict:
     return logprob_entry(out.logprobs)
-
-
-def _receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
-    tally.sent(text)
-    if entries:
-        tally.logprobs(entries)
-    tally.answered(last)
-    return tally.receipt_for(loaded)
 
 
 async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes, monitored):
     tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
     done: list[Finished] = await whole(loaded, requests, _entry if a.req.params.n_probs > 0 else None)
     for f in done:
-        monitored.record(_stem(loaded), f.last)
+        monitored.record(metrics_model(loaded), f.last)
     n = a.req.n
     if a.kind is Kind.OAI:
         choices = []
         for j, f in enumerate(done):
             choice = w.oai_choice(j, f.text, f.last, f.entries)
-            choice["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+            choice["bankml_receipt"] = answer_receipt(loaded, tallies[j], f.text, f.last, f.entries)
             choices.append(choice)
         res = w.oai_body(a.id, a.created, a.model, choices, done[0].last)
         if len(done) == 1:  # one answer: its receipt where every /v1 answer has it
@@ -200,7 +188,7 @@ async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list
                             entries=f.entries)
         if a.req.response_fields:
             obj = w.nested_values(a.req.response_fields, obj)
-        obj["bankml_receipt"] = _receipt(loaded, tallies[j], f.text, f.last, f.entries)
+        obj["bankml_receipt"] = answer_receipt(loaded, tallies[j], f.text, f.last, f.entries)
         objs.append(obj)
     return json_response(jstr.dumps(objs[0] if len(objs) == 1 else objs))
 
@@ -235,7 +223,7 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer,
                 tally.answered(out)
                 if sent_entries[i]:
                     tally.logprobs(sent_entries[i])
-                monitored.record(_stem(loaded), out)
+                monitored.record(metrics_model(loaded), out)
                 # the receipt rides on the sequence's final event, which carries no text: after all of
                 # it, and no event of its own (llama-server's clients read `stop` on every /completion
                 # event, and `choices[0]` on every /v1/completions chunk)

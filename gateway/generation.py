@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from gateway.engine_client import engine_error
 from gateway.errors import stream_error
+from gateway.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
 Entry = Callable[[StepOutput], dict]  # a logprob entry as the route writes it
@@ -141,3 +142,17 @@ async def end_failed(response, loaded, out: StepOutput) -> None:
         raise engine_error(loaded.client, out)
     await response.send(stream_error(engine_error(loaded.client, out)))
     await response.eof()
+
+
+def metrics_model(loaded) -> str:
+    """The /bankml/metrics record's model: the file stem, its case kept."""
+    return loaded.file_name.removesuffix(".gguf")
+
+
+def answer_receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
+    """The receipt of one answer: the text as sent, its logprob entries (if any), the engine's counts."""
+    tally.sent(text)
+    if entries:
+        tally.logprobs(entries)
+    tally.answered(last)
+    return tally.receipt_for(loaded)

@@ -187,3 +187,13 @@ class EdgeServer(_Server):
                "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:0", "--engine", json.dumps({"max_seqs": 1}),
                *serve_args]
         super().__init__(cmd, timeout_s, env)
+
+
+def sse_data(text: str) -> list:
+    """The `data:` payloads of an SSE body, each parsed as JSON but `[DONE]`."""
+    out = []
+    for block in text.split("\n\n"):
+        if block.strip():
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

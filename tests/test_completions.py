@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import REPLY, REPLY_PIECES
-from gateway_helpers import FakeServer, tiny_model
+from gateway_helpers import FakeServer, sse_data, tiny_model
 
 from bankml.errors import InvalidRequest, NotSupported
 from gateway.completion_request import parse_completion, prompt_tokens
@@ -58,15 +58,6 @@ def fixture_server(tmp_path_factory):
 def post(server, path: str, body) -> httpx.Response:
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     return httpx.post(server.url(path), content=content, headers={"Content-Type": "application/json"}, timeout=30)
-
-
-def events(text: str) -> list:
-    out = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # --- /completion ---------------------------------------------------------------------------------
@@ -121,7 +112,7 @@ def test_response_fields_cut_the_answer_to_the_named_paths(server):
 def test_completion_streams_one_event_per_token_then_the_final_one_and_the_receipt(server):
     r = post(server, "/completion", {"prompt": "hi", "n_predict": 3, "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    evs = events(r.text)
+    evs = sse_data(r.text)
     assert "[DONE]" not in evs  # llama-server's own route sends none
     assert len(evs) == 4 and all("stop" in e for e in evs)  # llama-server's clients read it on every event
     partials, final = evs[:3], evs[3]
@@ -132,7 +123,7 @@ def test_completion_streams_one_event_per_token_then_the_final_one_and_the_recei
 
 
 def test_timings_per_token_puts_timings_on_every_event(server):
-    evs = events(post(server, "/completion", {"prompt": "hi", "n_predict": 3, "stream": True,
+    evs = sse_data(post(server, "/completion", {"prompt": "hi", "n_predict": 3, "stream": True,
                                               "timings_per_token": True}).text)
     assert [e["timings"]["predicted_n"] for e in evs[:3]] == [1, 2, 3]
     assert all(e["timings"]["prompt_n"] == 2 and e["timings"]["predicted_ms"] >= 0 for e in evs[:3])
@@ -254,7 +245,7 @@ def test_v1_completions_body_and_stream_in_llama_servers_shape(server):
     # b11434's /completions is its /completion (recorded), not OpenAI's route
     alias = post(server, "/completions", {"prompt": "hi", "n_predict": 2}).json()
     assert list(alias) == [*FINAL_KEYS, "bankml_receipt"] and alias["content"] == "Savante"
-    evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
+    evs = sse_data(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
     assert [e["choices"][0]["text"] for e in evs[:3]] == ["Sav", "ante", ""]
     assert [e["choices"][0]["finish_reason"] for e in evs[:3]] == [None, None, "length"]
     assert "timings" not in evs[0] and evs[2]["usage"]["completion_tokens"] == 2
@@ -290,7 +281,7 @@ def test_chat_n_gives_choices_each_its_own_sequence_and_receipt(server):
     assert [ch["index"] for ch in body["choices"]] == [0, 1]
     assert all(ch["message"]["content"] == "Savante" and ch["bankml_receipt"]["response_sha256"] == sha("Savante")
                for ch in body["choices"])
-    evs = events(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2, "stream": True}).text)
+    evs = sse_data(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2, "stream": True}).text)
     chunks = [e for e in evs if e != "[DONE]" and e["choices"]]
     text = {0: "", 1: ""}
     for e in chunks:
@@ -304,7 +295,7 @@ def test_chat_n_gives_choices_each_its_own_sequence_and_receipt(server):
 
 
 def test_chat_timings_per_token(server):
-    evs = events(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": True,
+    evs = sse_data(post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "stream": True,
                                                        "timings_per_token": True}).text)
     content = [e for e in evs if e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content")]
     assert [e["timings"]["predicted_n"] for e in content] == [1, 2]
@@ -338,10 +329,10 @@ def test_the_shapes_are_the_recorded_ones(server):
     theirs = answers["oai"]["body"]
     assert [k for k in ours if k not in ("bankml_receipt", *VOLATILE)] == list(theirs)
     assert list(ours["usage"]) == list(theirs["usage"])
-    evs = events(post(server, "/completion", {"prompt": "hi", "n_predict": 2, "stream": True}).text)
+    evs = sse_data(post(server, "/completion", {"prompt": "hi", "n_predict": 2, "stream": True}).text)
     theirs = answers["stream"]["events"]
     assert list(evs[0]) == list(theirs[0]) and list(evs[2]) == [*theirs[-1], "bankml_receipt"]
-    evs = events(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
+    evs = sse_data(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}).text)
     theirs = answers["oai_stream"]["events"]
     assert [k for k in evs[0] if k not in VOLATILE] == list(theirs[0])
     assert [k for k in evs[2] if k not in VOLATILE] == [*theirs[-2], "bankml_receipt"]

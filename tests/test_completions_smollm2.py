@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import CliServer
+from gateway_helpers import CliServer, sse_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,15 +34,6 @@ def server(bankml_cmd, smollm2_path, smollm2_fork):
     s = CliServer(bankml_cmd, str(smollm2_path), "--fork", str(smollm2_fork), "--ctx", str(ctx), "--config", "cpu")
     yield s
     s.stop()
-
-
-def _events(text: str) -> list:
-    out = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def _ours(e):
@@ -123,7 +114,7 @@ def test_each_recorded_answer(server, name):
         _same(_ours(r.json()), case["body"], greedy)
         return
     theirs = [e for e in case["events"] if e is not None]  # b11434's `data: null` before a list's events
-    ours = [e for e in (_ours(e) for e in _events(r.text) if not _receipt_event(e)) if e not in ({}, {"choices": []}, {"index": 0},
+    ours = [e for e in (_ours(e) for e in sse_data(r.text) if not _receipt_event(e)) if e not in ({}, {"choices": []}, {"index": 0},
                                                                        {"index": 1}, {"choices": [], "index": 0},
                                                                        {"choices": [], "index": 1})]
     if case["route"].endswith("chat/completions"):

@@ -16,7 +16,7 @@ import json
 
 import httpx
 import pytest
-from gateway_helpers import FakeServer
+from gateway_helpers import FakeServer, sse_data
 
 from bankml import jstr
 
@@ -36,15 +36,6 @@ def post(server, body) -> httpx.Response:
     content = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     return httpx.post(server.url("/v1/chat/completions"), content=content,
                       headers={"Content-Type": "application/json"}, timeout=60)
-
-
-def events(text: str) -> list:
-    out = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            data = block.removeprefix("data: ")
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # --- refusals: status and body, before any computation --------------------------------------------
@@ -145,7 +136,7 @@ def test_each_stream_is_llama_servers(server, name):
     case = FIXTURE["answers"][name]
     r = post(server, case["request"])
     assert r.status_code == 200, r.text
-    ours, theirs = events(r.text), case["events"]
+    ours, theirs = sse_data(r.text), case["events"]
     ours_chunks, theirs_chunks = _content_chunks(ours), _content_chunks(theirs)
     assert ours_chunks[0]["delta"] == {"role": "assistant", "content": None}
     if not theirs_chunks or "role" not in theirs_chunks[0]["delta"]:
