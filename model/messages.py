@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpu_monitor.energy import EnergyReading
+    from model.constraint import Constraint
 
 
 class FinishReason(str, enum.Enum):  # noqa: UP042 (str() of a member must stay "FinishReason.X")
@@ -62,6 +63,10 @@ class SamplingParams:
     cache_prompt: bool = True  # reuse the slot's longest common prefix
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     mirostat: int = 0  # llama.cpp's mirostat 1 or 2 replaces the chain; refused unless 0
+    # (token, bias) added to the raw logits before the chain (llama.cpp's logit-bias sampler, first in
+    # llama-server's chain); -inf forbids the token
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False  # every end-of-generation token forbidden (llama-server: a -inf logit bias)
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +81,10 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
     return_progress: bool = False  # an output after each prefill chunk (llama-server's return_progress)
+    # the sequence's grammar (model/constraint.py `Constraint`, compiled by the gateway before any
+    # model work, one per sequence): the engine masks every token it forbids and ends the sequence
+    # when it is complete
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,7 @@ class StepOutput:
     timeline: Timeline | None = None
     energy: EnergyReading | None = None
     energy_why: str | None = None
+    grammar_ms: float = 0.0  # host time spent on the sequence's grammar so far (masks and advances)
 
     @property
     def prompt_ms(self) -> float:
