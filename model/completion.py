@@ -100,6 +100,18 @@ class Completion:
         self._n_sent += len(sent)
         return sent
 
+    def end_by_grammar(self, out: StepOutput, error: str | None = None) -> None:
+        """End at `out` (this token's output): its grammar is complete ("stop", as an end-of-generation
+        token ends it), or refused the token (`error`: FinishReason.ERROR with the grammar's reason)."""
+        if self.finish_reason is not None:
+            return
+        if error is not None:
+            self._finish(out, FinishReason.ERROR, trim_stop=False)
+            out.error = f"the grammar refused token {out.token}: {error}"
+            return
+        self._finish(out, FinishReason.STOP, trim_stop=False)
+        out.stop_type = "eos"
+
     def _finish(self, out: StepOutput, reason: FinishReason, trim_stop: bool) -> None:
         self.finish_reason = out.finish_reason = reason
         out.held_text = bytes(self._generated[self._n_sent:]).decode("utf-8", "replace")

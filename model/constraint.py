@@ -144,7 +144,9 @@ class Constraint:
         """The tokens allowed next into `row` (int32 [bitmask_words(n_vocab)]): bit set = allowed."""
         t0 = time.perf_counter()
         fill_next_token_bitmask(self._matcher, self._scratch, 0)
-        row[:] = self._scratch[0, : row.shape[0]]
+        n = min(row.shape[0], self._scratch.shape[1])
+        row[:n] = self._scratch[0, :n]
+        row[n:] = 0  # rows past llguidance's vocabulary: never allowed
         self.grammar_ms += (time.perf_counter() - t0) * 1e3
 
     def consume(self, token: int) -> bool:

@@ -51,6 +51,7 @@ from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
 from model.embed import Embedder
 from model.forward import forward
+from model.host_bias import host_bias
 from model.kvcache import KVPool, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.pages import PagePool
@@ -301,9 +302,10 @@ class Engine:
         sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         vec = jax.ShapeDtypeStruct((t,), i32)
-        dry = (jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32),
-               jax.ShapeDtypeStruct((window,), i32)) if window else (None, None)
-        return select.lower(logits, sa, sp.history, vec, vec, vec, *dry, branchless=self.branchless)
+        host = (jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32),
+                jax.ShapeDtypeStruct((window,), i32),
+                jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32)) if window else (None, None, None)
+        return select.lower(logits, sa, sp.history, vec, vec, vec, *host, branchless=self.branchless)
 
     def program_keys(self) -> list[tuple[str, int, int]]:
         """Every program this engine can run: what `warmup` compiles."""
@@ -515,11 +517,13 @@ class Engine:
         lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
             rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
-        dry = self._dry_bias(seqs, b)
-        if dry is not None and ahead:
-            raise AssertionError("DRY's bias needs the host's tokens: no step ahead (needs_host)")
-        program = self._program("select", b, 0 if dry is None else dry[1].shape[0])
-        out, self._history = program(logits, sa, self._history, rows, lengths, steps, *(dry or (None, None)))
+        # filled while the device computes the step just dispatched (model/host_bias.py)
+        host = host_bias(seqs, b, self._dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
+        if host is not None and ahead and self.needs_host(seqs):
+            raise AssertionError("DRY's bias and grammars need the host's tokens: no step ahead (needs_host)")
+        program = self._program("select", b, 0 if host is None else host[2].shape[0])
+        post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
+        out, self._history = program(logits, sa, self._history, rows, lengths, steps, post, at, pre)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return out
@@ -535,24 +539,17 @@ class Engine:
         return result
 
     def needs_host(self, seqs: list[SchedSequence]) -> bool:
-        """Whether any of `seqs` uses DRY, whose bias the host computes from its tokens."""
-        return any(_wants_dry(s.request.params) for s in seqs)
+        """Whether any of `seqs` uses DRY or a grammar, which the host computes from its tokens."""
+        return any(_wants_dry(s.request.params) or s.request.constraint is not None for s in seqs)
 
-    def _dry_bias(self, seqs: list[SchedSequence], rows: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """DRY's penalties for the sequences that ask for it: ([D, V] f32, their rows [D] int32), D the
-        smallest bucket holding them, padded with zero rows aimed past the batch (`rows`), which the
-        device drops; None when no sequence uses DRY (nothing to send)."""
-        dry = [(row, s, s.request.params) for row, s in enumerate(seqs) if _wants_dry(s.request.params)]
-        if not dry:
+    def _dry_row(self, s: SchedSequence) -> np.ndarray | None:
+        """DRY's penalties [V] for a sequence that asks for it, else None."""
+        p = s.request.params
+        if not _wants_dry(p):
             return None
-        d = next(x for x in self._dry_buckets(rows) if x >= len(dry))
-        bias, at = np.zeros((d, self.config.n_vocab), np.float32), np.full(d, rows, np.int32)
-        for i, (row, s, p) in enumerate(dry):
-            last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
-            at[i] = row
-            bias[i] = dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
-                               self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
-        return bias, at
+        last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
+        return dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+                        self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
 
     def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
         """The breakers' restart sequences, built once per breaker list (searches of the vocabulary's

@@ -26,7 +26,8 @@ counted (and its full pages published) only once this step's tokens are in and n
 batch finished; otherwise it is thrown away, its cells written again by the step that replaces it, so
 every request gets the tokens, logprobs and finish it gets without lookahead. Its pages come from the
 free list only (never an eviction, never a preemption); when they cannot, it is skipped. A row that
-uses DRY (whose bias the host computes from the tokens) or that surely ends at this step also skips it.
+uses DRY or a grammar (whose bias or mask the host computes from the tokens)
+or that surely ends at this step also skips it.
 
 The device work is the runner's (model/engine.py): it owns the compiled programs, the KV pool and
 the token history; this module owns every decision and all the bookkeeping, and imports no jax.
@@ -343,6 +344,14 @@ class Scheduler:
 
     def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
         out = seq.completion.push(token, logprob, top)
+        constraint = seq.request.constraint
+        if constraint is not None:  # advanced past the token; a complete grammar ends the sequence
+            if out.finish_reason is None:
+                if not constraint.consume(token):
+                    seq.completion.end_by_grammar(out, constraint.error or "not allowed")
+                elif constraint.done:
+                    seq.completion.end_by_grammar(out)
+            out.grammar_ms = constraint.grammar_ms
         out.id_slot = seq.slot  # llama-server's `id_slot` in /completion's answer: the slot that decoded it
         if out.finish_reason is not None:
             self._leave(seq)

@@ -41,22 +41,26 @@ class Sampled:
 
 @partial(jax.jit, static_argnames=("branchless",), donate_argnames=("history",))
 def select(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Array, lengths: jax.Array,
-           steps: jax.Array, dry_bias: jax.Array | None = None, dry_rows: jax.Array | None = None, *,
-           branchless: bool = False) -> tuple[Sampled, jax.Array]:
+           steps: jax.Array, dry_bias: jax.Array | None = None, dry_rows: jax.Array | None = None,
+           pre_bias: jax.Array | None = None, *, branchless: bool = False) -> tuple[Sampled, jax.Array]:
     """Sample the next token of slots `rows` [R] from their logits [R, V] through llama-server's
     chain, report logprobs, and append the tokens to the slots' rows of `history` [B_slots, n_ctx]
     (at `lengths` [R], the tokens each row holds: the penalties' window). `ca` holds R rows.
-    dry_bias [D, V]: DRY's host-computed penalties of the rows `dry_rows` [D] (R: a padding entry),
-    scattered here; None (no row uses DRY): nothing is uploaded, nothing added.
+    dry_bias [D, V]: what the host adds after the penalties for the rows `dry_rows` [D] (R: a padding
+    entry): DRY's penalties and -inf on the tokens a grammar forbids; pre_bias [D, V], the same rows'
+    logit_bias and ignore_eos, added to the raw logits before the chain (model/host_bias.py). None (no
+    row needs either): nothing is uploaded, nothing added. Logprobs stay the raw model's.
 
     Compiled apart from the forward programs: one sampler program per batch size serves every
     window bucket, which halves start-up compilation. branchless (static; a GPU): no `lax.cond`, so
     the step never waits on the host to choose a branch (model/sampler_chain.py).
     """
-    bias = None
+    bias, biased = None, logits
     if dry_bias is not None:
         bias = jnp.zeros(logits.shape, jnp.float32).at[dry_rows].set(dry_bias, mode="drop")  # [R, V]
-    tokens = sample_chain(logits, ca, history[rows], lengths, steps, bias, branchless)
+    if pre_bias is not None:
+        biased = logits + jnp.zeros(logits.shape, jnp.float32).at[dry_rows].set(pre_bias, mode="drop")
+    tokens = sample_chain(biased, ca, history[rows], lengths, steps, bias, branchless)
     lp, top_ids, top_lp = logprobs(logits, tokens, ca, branchless)
     history = history.at[rows, lengths].set(tokens, mode="drop")
     return Sampled(tokens, lp, top_ids, top_lp), history
