@@ -112,3 +112,18 @@ def test_a_grammar_wins_over_biases_that_would_leave_nothing(engine):
     [outs] = _run(engine, [GenerateRequest([4], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=ban),
                                            constraint=_constraint(engine, mc.regex_grammar("(yes|no)")))])
     assert _text(engine, outs) in {"yes", "no"} and outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_fifty_top_logprobs_are_the_raw_logits_best_fifty(engine):
+    import numpy as np
+
+    prompt = [7, 8, 9]
+    [outs] = _run(engine, [GenerateRequest(prompt, SamplingParams(temperature=0.0, max_tokens=1, n_probs=50))])
+    top = outs[0].top_logprobs
+    assert len(top) == 50
+    logits = np.asarray(engine.logits(prompt), np.float64)[-1]  # [n, V]: after the prompt's last token
+    lp = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    best = np.argsort(-lp, kind="stable")[:50]
+    assert sorted(t.token for t in top) == sorted(int(t) for t in best)
+    assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:], strict=False))
+    assert all(abs(t.logprob - lp[t.token]) < 1e-3 for t in top)
