@@ -64,7 +64,7 @@ def _nlohmann_int(text: str) -> int | float:
     return n if -(1 << 63) <= n < 1 << 64 else RawNumber(text)
 
 
-def _exact_float(text: str) -> float:
+def exact_float(text: str) -> float:
     # a literal a double would change keeps its text, for a schema's exact bounds (gateway/constraints.py)
     x = float(text)
     return x if repr(x) == text else RawNumber(text)
@@ -75,7 +75,7 @@ def parse_body(body: bytes) -> Any:
     integer past 64 bits is a double."""
     try:
         value = json.loads(body, parse_constant=_reject_constant, parse_int=_nlohmann_int,
-                           parse_float=_exact_float)
+                           parse_float=exact_float)
     except json.JSONDecodeError as e:
         raise _parse_error(e.lineno, e.colno, e.msg) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:

@@ -103,6 +103,19 @@ def chat_grammar(p: dict, request: dict) -> str | None:
     return fields_grammar(p)
 
 
+def ollama_format_grammar(fmt: Any) -> str | None:
+    """Ollama's `format` (llm/server.go): null or "" nothing; "json" its JSON grammar (root ::= object,
+    so any object); an object a JSON schema; anything else Ollama's error."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return mc.json_object_grammar()
+    if not isinstance(fmt, dict):
+        raw = exact_json(fmt)
+        raise InvalidRequest(f"invalid format: {json.dumps(raw)}; expected \"json\" or a valid JSON Schema object")
+    return schema_grammar(fmt)
+
+
 # --- logit_bias ----------------------------------------------------------------------------------
 
 

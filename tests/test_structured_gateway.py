@@ -152,3 +152,27 @@ def test_logit_bias_strings_are_tokenized_and_out_of_range_dropped(smollm2):
     requests = [GenerateRequest([1], params)]
     asyncio.run(attach_constraints(smollm2, requests, None))
     assert requests[0].params.logit_bias == tuple((t, -5.0) for t in ids) + ((3, 2.0),)
+
+
+# --- Ollama's format, and the metrics record ---------------------------------------------------------
+
+
+def test_ollama_format():
+    from gateway.constraints import ollama_format_grammar
+
+    assert ollama_format_grammar(None) is None and ollama_format_grammar("") is None
+    assert ollama_format_grammar("json") == mc.json_object_grammar()  # Ollama's grammarJSON: root ::= object
+    assert ollama_format_grammar(SCHEMA) == mc.json_schema_grammar(json.dumps(SCHEMA, separators=(",", ":")))
+    for fmt, shown in ((5, '"5"'), ("xml", '"\\"xml\\""'), ([1], '"[1]"')):
+        with pytest.raises(InvalidRequest) as e:
+            ollama_format_grammar(fmt)
+        assert str(e.value) == f'invalid format: {shown}; expected "json" or a valid JSON Schema object'
+
+
+def test_metrics_record_carries_grammar_ms():
+    from gateway.answer_metrics import answer_record
+    from model.messages import FinishReason, StepOutput
+
+    last = StepOutput(token=1, finish_reason=FinishReason.STOP, grammar_ms=1.23456)
+    record = answer_record("m", last)
+    assert record["grammar_ms"] == 1.235 and record["resampled"] == 0
