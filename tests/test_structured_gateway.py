@@ -176,3 +176,63 @@ def test_metrics_record_carries_grammar_ms():
     last = StepOutput(token=1, finish_reason=FinishReason.STOP, grammar_ms=1.23456)
     record = answer_record("m", last)
     assert record["grammar_ms"] == 1.235 and record["resampled"] == 0
+
+
+# --- through the app, on SmolLM2 (the engine's masks: they pass once model/ honours `constraint`) ------
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                  "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+                 "required": ["color", "count"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def served(bankml_cmd, smollm2_path, smollm2_fork):
+    from gateway_helpers import CliServer
+
+    s = CliServer(bankml_cmd, str(smollm2_path), "--fork", str(smollm2_fork), "--ctx", "512", "--config", "cpu")
+    yield s
+    s.stop()
+
+
+def _post(server, path: str, body: dict):
+    import httpx
+
+    return httpx.post(server.url(path), json=body, timeout=300)
+
+
+def _records(server) -> int:
+    import httpx
+
+    return len(httpx.get(server.url("/bankml/metrics"), timeout=30).json()["records"])
+
+
+def test_a_schema_answer_parses_and_validates(served):
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": ANSWER_SCHEMA, "strict": True}}
+    r = _post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Pick a color and a count."}],
+                                               "response_format": fmt, "max_tokens": 48, "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    value = json.loads(choice["message"]["content"])
+    assert value["color"] in ("red", "green", "blue") and 1 <= value["count"] <= 9 and set(value) == {"color", "count"}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_a_gbnf_completion_and_an_ollama_format(served):
+    r = _post(served, "/completion", {"prompt": "Is the sky blue? Answer:", "grammar": 'root ::= " yes" | " no"',
+                                      "n_predict": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] in (" yes", " no")
+    r = _post(served, "/api/chat", {"model": "smollm2-135m-instruct.q4_1", "stream": False, "format": ANSWER_SCHEMA,
+                                    "messages": [{"role": "user", "content": "Pick a color."}],
+                                    "options": {"temperature": 0, "num_predict": 48}})
+    assert r.status_code == 200, r.text
+    value = json.loads(r.json()["message"]["content"])
+    assert value["color"] in ("red", "green", "blue")
+
+
+def test_an_uncompilable_schema_is_a_400_and_no_model_work(served):
+    before = _records(served)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+    r = _post(served, "/v1/chat/completions", {"messages": HI, "response_format": fmt})
+    assert r.status_code == 400 and "strin" in r.json()["error"]["message"]
+    assert _records(served) == before
