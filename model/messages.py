@@ -23,6 +23,11 @@ class FinishReason(str, enum.Enum):  # noqa: UP042 (str() of a member must stay 
     ERROR = "error"  # the engine failed; `StepOutput.error` says why
 
 
+# The most top logprobs a step reports (model/sampling.py). llama-server answers any n_probs (a
+# request for 50 gets 50); OpenAI's top_logprobs stops at 20. Past this cap a request is refused by
+# name: each token's answer grows with it.
+N_PROBS_CAP = 256
+
 # llama-server's default sampler order (common/common.h); the only order this engine runs
 DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 DEFAULT_DRY_BREAKERS = ("\n", ":", "\"", "*")

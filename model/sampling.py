@@ -10,13 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from model.messages import DEFAULT_SAMPLERS, SamplingParams
+from model.messages import DEFAULT_SAMPLERS, N_PROBS_CAP, SamplingParams
 from model.sampler_chain import ChainArrays, either
 
-# The most top logprobs a step reports. llama-server answers any n_probs (a request for 50 gets 50);
-# OpenAI's top_logprobs stops at 20. Past this cap a request is refused by name: each token's answer
-# grows with it, and the top-k is computed (only when some row asks) at this width.
-N_PROBS_CAP = 256
+# the top-k is computed (only when some row asks) at the cap's width (model/messages.py)
 N_PROBS_MAX = N_PROBS_CAP
 
 
