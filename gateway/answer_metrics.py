@@ -7,7 +7,9 @@ The record is the Rust bankml's (metrics.rs), key for key and rounded as it roun
   text (the same TTFT as the receipt's and Prometheus' bankml_ttft_seconds).
 - rates: `prompt_tps = (prompt - cached) / prompt s` and `eval_tps = completion / eval s` (the
   end-of-generation token counts, as llama-server counts it), each null unless both terms are > 0.
-- `grammar_ms` 0.0 and `resampled` 0: no answer is grammar-constrained yet, so none spends time there.
+- `grammar_ms`: the host time the answer's grammar cost (its masks and advances, measured by
+  model/constraint.py's Constraint; 0 for an unconstrained answer). `resampled` is 0: the mask is applied
+  before the sampler chain, so no token is ever drawn, refused and drawn again.
 - energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
   when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
   tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
@@ -72,7 +74,7 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         "prompt_tps": _rate(last.prompt_tokens - last.cached_tokens, last.prompt_ms),
         "eval_tps": _rate(last.completion_tokens, last.predicted_ms),
         "finish": last.finish_reason.value if last.finish_reason else None,
-        "grammar_ms": 0.0,
+        "grammar_ms": rounded(float(last.grammar_ms), 3),
         "resampled": 0,
         "energy_j": rounded(energy_j, 3),
         "joules_per_token": rounded(per_token, 4),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported, RequestFailed
+from gateway.constraints import RawNumber, chat_grammar, read_logit_bias
 from gateway.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
 from gateway.request_fields import N_PROBS_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -39,6 +40,7 @@ class ChatRequest:
     n: int = 1  # choices, each its own sequence (llama-server's n_cmpl)
     timings_per_token: bool = False  # `timings` on every streamed chunk
     return_progress: bool = False  # prompt progress chunks while the prompt is computed (streamed only)
+    grammar: str | None = None  # llguidance grammar text (gateway/constraints.py), or None
 
 
 def bad(message: str) -> InvalidRequest:
@@ -59,14 +61,21 @@ def _nlohmann_int(text: str) -> int | float:
     # nlohmann keeps an integer literal as an integer only while it fits int64 or uint64, else as a
     # double (lexer.hpp, scan_number): `max_tokens: 1e30` and `max_tokens: 10**30` then read the same
     n = int(text)
-    return n if -(1 << 63) <= n < 1 << 64 else float(text)
+    return n if -(1 << 63) <= n < 1 << 64 else RawNumber(text)
+
+
+def exact_float(text: str) -> float:
+    # a literal a double would change keeps its text, for a schema's exact bounds (gateway/constraints.py)
+    x = float(text)
+    return x if repr(x) == text else RawNumber(text)
 
 
 def parse_body(body: bytes) -> Any:
     """The body as nlohmann parses it: NaN and Infinity are not JSON, nor is a lone surrogate; an
     integer past 64 bits is a double."""
     try:
-        value = json.loads(body, parse_constant=_reject_constant, parse_int=_nlohmann_int)
+        value = json.loads(body, parse_constant=_reject_constant, parse_int=_nlohmann_int,
+                           parse_float=exact_float)
     except json.JSONDecodeError as e:
         raise _parse_error(e.lineno, e.colno, e.msg) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -249,10 +258,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         (probs_field, p["n_probs"] > N_PROBS_MAX, f"at most {N_PROBS_MAX} top logprobs per token"),
         ("mirostat", p["mirostat"] != 0, None),
         ("samplers", p["samplers"] != DEFAULT_SAMPLERS, "only llama-server's default order"),
-        ("logit_bias", not _empty_bias(p.get("logit_bias")), None),
-        ("ignore_eos", p.get("ignore_eos") is True, None),
-        ("grammar", "grammar" in p, None),
-        ("json_schema", "json_schema" in p, None),
         ("tools", has_tools(request), None),
         ("verbose", p.get("verbose") is True, None),
         ("timings_per_token", p.get("timings_per_token") is True, None),
@@ -288,11 +293,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
             if why:
                 raise NotSupported(f"'{name}' is not supported by bankml serve --native: {why}")
             raise _not_supported(name)
-    # The OpenAI layer turns json_object / json_schema into a schema; llama-server's field table never
-    # sees the key, so it is looked for in the request itself.
-    kind = json_value(json_value(request, "response_format", {}), "type", "", get_string)
-    if kind in ("json_object", "json_schema"):
-        raise NotSupported(f"'response_format' {kind} is not supported by bankml serve --native yet")
     if any("tool_calls" in m for m in messages):
         raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
@@ -301,18 +301,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
 
 def has_tools(request: dict) -> bool:
     return isinstance(request.get("tools"), list) and bool(request["tools"])
-
-
-def _empty_bias(v: Any) -> bool:
-    """No entry llama-server would apply (it skips malformed ones; a 0 bias changes nothing)."""
-    def applies(bias: Any) -> bool:
-        return bias is False or (isinstance(bias, int | float) and not isinstance(bias, bool) and bias != 0)
-
-    if isinstance(v, list):
-        return not any(isinstance(e, list) and len(e) == 2 and applies(e[1]) for e in v)
-    if isinstance(v, dict):
-        return not any(applies(b) for b in v.values())
-    return True
 
 
 _SAMPLING = {f.name for f in fields(SamplingParams)}
@@ -336,8 +324,11 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     model = request.get("model")
     if model is not None and not isinstance(model, str):
         model = None  # the route resolved it already (not a string: the startup model)
+    grammar = chat_grammar(p, request)
+    p["logit_bias"] = read_logit_bias(p.get("logit_bias"))
+    p["ignore_eos"] = bool(p.get("ignore_eos"))
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
-                       bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress)
+                       bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar)
 

@@ -34,6 +34,7 @@ import uuid
 from gateway.chat_request import parse_body, parse_chat_request
 from gateway.completion_request import N_UNBOUNDED, check_n
 from gateway.completion_route import engine_sequences, resolve_for
+from gateway.constraints import attach_constraints
 from gateway.errors import exceed_context, json_response
 from gateway.generation import answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
 from gateway.monitoring import Answer
@@ -65,6 +66,7 @@ async def chat_completions(request, state):
         requests = [GenerateRequest(prompt, chat.params, request_id=completion.id if chat.n == 1 else
                                     f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream)
                     for j in range(chat.n)]
+        await attach_constraints(loaded, requests, chat.grammar)  # a 400 before any model work
         try:
             with state.monitoring.answer() as answer:
                 if chat.stream:

@@ -29,6 +29,7 @@ from typing import Any
 
 from bankml.errors import ContextExceeded, InvalidRequest, NotSupported
 from gateway.chat_request import refuse_unsupported
+from gateway.constraints import fields_grammar, read_logit_bias
 from gateway.json_values import has_value, json_value, type_name
 from gateway.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.request_fields import I32_MAX, read_fields
@@ -51,6 +52,7 @@ class CompletionRequest:
     response_fields: list | None
     raw: dict  # the request after the OpenAI layer, for /infill's own fields
     return_progress: bool = False  # prompt progress events (streamed only, as llama-server)
+    grammar: str | None = None  # llguidance grammar text from json_schema / grammar (gateway/constraints.py)
 
 
 def oai_layer(body: Any) -> dict:
@@ -92,11 +94,14 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
     refuse_unsupported(p, doc, [])
     if oai:
         _refuse_oai(original)
+    grammar = fields_grammar(p)
+    p["logit_bias"] = read_logit_bias(p.get("logit_bias"))
+    p["ignore_eos"] = bool(p.get("ignore_eos"))
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     fields_ = p.get("response_fields")
     return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
                              timings_per_token, bool(p["include_usage"]),
-                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress)
+                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress, grammar)
 
 
 def check_sequences(prompt: Any, n: int, max_sequences: int) -> None:

@@ -41,6 +41,7 @@ from gateway.completion_request import (
     parse_completion,
     prompt_tokens,
 )
+from gateway.constraints import attach_constraints
 from gateway.derived import apply_openai, layer_num_ctx
 from gateway.errors import exceed_context, json_response
 from gateway.generation import Finished, answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
@@ -139,6 +140,7 @@ async def _complete(request, state, kind: Kind):
         requests = [GenerateRequest(ids, req.params, request_id=f"{answer.id}-{i * req.n + j}",
                                     return_progress=progress)
                     for i, ids in enumerate(prompts) for j in range(req.n)]
+        await attach_constraints(loaded, requests, req.grammar)  # a 400 before any model work
         texts = [model.tokenizer.decode(ids, True) for ids in prompts] if kind is not Kind.OAI else []
         try:
             with state.monitoring.answer() as monitored:

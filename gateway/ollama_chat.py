@@ -27,6 +27,7 @@ import uuid
 from sanic import HTTPResponse
 
 from bankml.errors import InvalidRequest
+from gateway.constraints import attach_constraints
 from gateway.engine_client import engine_error
 from gateway.errors import Api, error_body, json_response
 from gateway.monitoring import Answer
@@ -76,6 +77,7 @@ async def _answer(request, state, kind: str):
             residency.record_shown(name, req.tag, req.num_ctx or n_ctx, held.reloaded)
             prompt = await asyncio.to_thread(_prompt, held.loaded.model, req)
             engine_request = GenerateRequest(prompt, req.params, request_id=f"ollama-{uuid.uuid4().hex}")
+            await attach_constraints(held.loaded, [engine_request], req.grammar)  # a 400 before any model work
             with state.monitoring.answer() as answer:
                 run = _Run(req, held, Tally.start(body), answer, t0_ns)
                 if req.stream:

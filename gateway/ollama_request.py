@@ -7,8 +7,9 @@
    seconds; else a Go duration; 0 unloads, negative is forever); `stream` (default true);
 2. an empty prompt (chat: `messages` missing, not an array or []; generate: `prompt` missing or "")
    only loads or unloads: nothing else is checked on that path (as in the Rust bankml);
-3. the refusals, in order (`format`, which covers `format` with raw, then tools, images, suffix,
-   template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
+3. `format` (Ollama's llm/server.go: null or "" nothing, "json" its JSON grammar, an object a
+   schema, anything else its "invalid format" error; with raw too, as Ollama applies it there), then
+   the refusals, in order (tools, images, suffix, template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
    pin's GGUF defaults through llama-server's own field table and checks, gateway/request_fields.py,
    so a bad value gets the message /v1 gives it), then the messages.
 Every refusal is a 400 `{"error"}`; where the Rust bankml has a message for it (bankML/ollama.rs, the top_k
@@ -24,9 +25,10 @@ from typing import Any
 
 from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
+from gateway.chat_request import exact_float
+from gateway.constraints import ollama_format_grammar
 from gateway.derived import apply_ollama
 from gateway.json_values import get_int
-from gateway.openai_chat import parse_json_body
 from gateway.registry import Pin, Registry, Resolved
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -45,7 +47,6 @@ NEUTRAL = ("mirostat_eta", "mirostat_tau", "penalize_newline")
 
 MIROSTAT_REFUSED = ("mirostat: not reproduced; bankML reproduces llama.cpp's default sampler chain (penalties, "
                     "DRY, top-n-σ, top-k, typical-p, top-p, min-p, XTC, temperature), not mirostat")
-FORMAT_REFUSED = "format: structured output is not supported by bankml serve --native yet"
 IMAGES_REFUSED = "images: bankML's models are text-only; vision is out of scope"
 REFUSALS = (  # (field, why), checked in this order when the field is present
     ("tools", "tools: tool calling is not supported by bankml serve --native yet (it needs the template's "
@@ -76,6 +77,7 @@ class OllamaRequest:
     raw_prompt: str | None = None  # generate with raw: true (no template)
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # `format` as llguidance grammar text (gateway/constraints.py)
 
     @property
     def pin(self) -> Pin:
@@ -91,7 +93,10 @@ def bad(message: str) -> InvalidRequest:
 
 
 def read_body(body: bytes) -> dict:
-    value = parse_json_body(body)  # not JSON: 400 "body is not JSON"
+    try:  # a schema's numbers keep their literals (gateway/constraints.py)
+        value = json.loads(body, parse_float=exact_float)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad("body is not JSON") from None
     if not isinstance(value, dict):
         raise bad("body is not a JSON object")
     return value
@@ -155,9 +160,6 @@ def is_empty_prompt(kind: str, body: dict) -> bool:
 
 def refusals(body: dict) -> None:
     """What the forward pass does not reproduce, in the spec's order (§1.2); before any model work."""
-    fmt = body.get("format")
-    if fmt is not None and fmt != "":  # "json", {} and schemas alike: structured output is a later issue
-        raise bad(FORMAT_REFUSED)
     for field, why in REFUSALS:
         if is_present(body.get(field)):
             raise bad(why)
@@ -314,6 +316,7 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
     stream = _bool(request, "stream", True)
     if is_empty_prompt(kind, request):
         return OllamaRequest(kind, resolved, request, ka, stream, True, _empty_num_ctx(request, n_ctx))
+    grammar = ollama_format_grammar(request.get("format"))
     refusals(request)
     raw = kind == "generate" and _bool(request, "raw", False)
     logprobs, top = read_logprobs(request)
@@ -335,4 +338,4 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": request["prompt"]}]
     return OllamaRequest(kind, resolved, request, ka, stream, False, opts.num_ctx, params, messages, raw_prompt,
-                         logprobs, top)
+                         logprobs, top, grammar)

@@ -46,7 +46,10 @@ from model.dry import dry_enabled
 from model.messages import SamplingParams
 
 I32_MAX = INT32[1]
-N_PROBS_MAX = 20  # the most top logprobs the engine reports per token (model/sampling.py)
+try:  # the most top logprobs the engine reports per token (model/sampling.py); llama-server's own cap
+    from model.sampling import N_PROBS_CAP as N_PROBS_MAX
+except ImportError:
+    N_PROBS_MAX = 256
 MAX_GRAMMAR_CHARS = 1 << 16  # a GBNF grammar longer than this is refused before it is parsed
 MAX_DRY_BREAKERS = 32  # dry_sequence_breakers per request (llama.cpp's defaults are 4)
 MAX_STOPS = 32  # stop strings per request (OpenAI takes 4)

@@ -46,6 +46,7 @@ from bankml.errors import (
 )
 from bankml.serve_files import ChatTemplateFile
 from bankml.verify import FileIdentity, GatedModel, Verified, gate_model
+from gateway.constraints import prebuild_tokenizer
 from gateway.engine_client import EngineClient
 from gateway.native_model import NativeModel
 from gateway.registry import Pin, Registry, model_name
@@ -221,9 +222,11 @@ class Residency:
         vram = size if _on_accelerator(engine) else 0
         pin = slot.pin
         template = self.chat_template if pin.name == self.registry.startup.name else None
-        return Loaded(pin.name, pin.file_name, gated.path, gated.verified, gated.identity, int(time.time()),
-                      f"bankML {__version__} native: its own forward pass ({backend})",
-                      NativeModel.of(engine, gated.path, template), compile_s, slot.client, pin, size, vram)
+        loaded = Loaded(pin.name, pin.file_name, gated.path, gated.verified, gated.identity, int(time.time()),
+                        f"bankML {__version__} native: its own forward pass ({backend})",
+                        NativeModel.of(engine, gated.path, template), compile_s, slot.client, pin, size, vram)
+        prebuild_tokenizer(loaded)  # llguidance's vocabulary, in the background, for constrained requests
+        return loaded
 
     def load_startup(self) -> Loaded:
         """Load and warm the startup model, kept forever; blocks (before the event loop runs). Raises what

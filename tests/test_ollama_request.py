@@ -141,7 +141,7 @@ def test_an_empty_prompt_only_loads_and_checks_nothing():
 
 
 def test_refusals_in_order():
-    everything = {"format": "json", "tools": [{"type": "function"}], "images": ["aGk="], "suffix": "x",
+    everything = {"tools": [{"type": "function"}], "images": ["aGk="], "suffix": "x",
                   "template": "{{ .Prompt }}", "context": [1, 2], "think": True}
     order = []
     body = dict(everything)
@@ -151,8 +151,8 @@ def test_refusals_in_order():
         order.append(key)
         del body[key]
     assert order == list(everything)
-    assert refused(chat, format={"type": "object"}) == \
-        "format: structured output is not supported by bankml serve --native yet"
+    # format is honoured (tests/test_structured_gateway.py); only what Ollama refuses is refused
+    assert refused(chat, format="xml") == 'invalid format: "\\"xml\\""; expected "json" or a valid JSON Schema object'
     assert refused(generate, images=["aGk="]) == "images: bankML's models are text-only; vision is out of scope"
     assert refused(chat, think="high").startswith("think: the pinned template is rendered with thinking off")
     for field in ("width", "height", "steps"):  # image generation's fields, never silently dropped
