@@ -197,9 +197,10 @@ def _compile(grammar: str, tokenizer, n: int) -> list:
 
 async def attach_constraints(loaded, requests: list, grammar: str | None) -> None:
     """Each request's own Constraint for `grammar` (None: none), and its logit_bias strings tokenized."""
+    if grammar is None and not any(r.params.logit_bias for r in requests):
+        return  # nothing to compile or resolve: an unconstrained request costs nothing here
     tokenizer = _tokenizer(loaded)
-    if any(isinstance(t, str) for r in requests for t, _ in r.params.logit_bias) or \
-            any(r.params.logit_bias for r in requests):
+    if any(r.params.logit_bias for r in requests):
         n_vocab = tokenizer.n_vocab
         for r in requests:
             r.params = replace(r.params, logit_bias=_resolve_bias(r.params.logit_bias, tokenizer, n_vocab))

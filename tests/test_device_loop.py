@@ -10,6 +10,7 @@ import pytest
 from test_dry import _repeating_prompt
 from tiny_gguf import write_tiny_gguf
 
+import model.engine
 from model.engine import Engine
 from model.messages import GenerateRequest, SamplingParams
 
@@ -61,14 +62,14 @@ def test_only_the_rows_that_use_dry_send_a_bias(engine, monkeypatch):
     plain = SamplingParams(temperature=0.0, max_tokens=8)
     assert _alone(engine, repeat, dry) != _alone(engine, repeat, plain)  # DRY acts on this prompt
     sent: list[tuple[int, tuple | None]] = []
-    bias = engine._dry_bias
+    bias = model.engine.host_bias
 
-    def spy(seqs, rows):
-        out = bias(seqs, rows)
-        sent.append((rows, None if out is None else (out[0].shape, tuple(out[1].tolist()))))
+    def spy(seqs, rows, *rest):
+        out = bias(seqs, rows, *rest)  # (pre, post, at) or None (model/host_bias.py)
+        sent.append((rows, None if out is None else (out[1].shape, tuple(out[2].tolist()))))
         return out
 
-    monkeypatch.setattr(engine, "_dry_bias", spy)
+    monkeypatch.setattr(model.engine, "host_bias", spy)
     alone = [_alone(engine, repeat, dry), _alone(engine, _prompt(11, seed=2), plain)]
     assert set(sent) == {(1, ((1, engine.config.n_vocab), (0,))), (1, None)}
     sent.clear()

@@ -124,9 +124,6 @@ def test_an_option_bankml_does_not_reproduce_is_refused_by_name(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model=STARTUP, messages=HELLO, options={"mirostat": 1})
     assert e.value.status_code == 400 and e.value.error.startswith("mirostat:")
-    with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=STARTUP, messages=HELLO, format="json")
-    assert e.value.error.startswith("format:")
 
 
 def test_a_derived_model_from_a_modelfile_copy_and_delete(client, served):
