@@ -26,6 +26,7 @@ from bankml.errors import InvalidRequest, NotSupported, RequestFailed
 from gateway.constraints import RawNumber, chat_grammar, read_logit_bias
 from gateway.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
 from gateway.request_fields import N_PROBS_MAX, read_fields
+from gateway.tool_calls import Tools, read_tools
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
 
 
@@ -41,6 +42,8 @@ class ChatRequest:
     timings_per_token: bool = False  # `timings` on every streamed chunk
     return_progress: bool = False  # prompt progress chunks while the prompt is computed (streamed only)
     grammar: str | None = None  # llguidance grammar text (gateway/constraints.py), or None
+    tools: Tools | None = None  # the request's tools (gateway/tool_calls.py), or None
+    response_schema: Any = None  # with tools: the schema a response that does not call answers in
 
 
 def bad(message: str) -> InvalidRequest:
@@ -172,10 +175,16 @@ def check_messages(messages: Any) -> list[dict]:
             raise failed(f"Failed to parse messages: {e}") from None
         content = msg.get("content")
         text = _content_text(content) if isinstance(content, list) else content or ""
-        out.append({"role": role, "content": text, **({"tool_calls": msg["tool_calls"]} if "tool_calls" in msg else {})})
+        kept = {k: msg[k] for k in _TOOL_KEYS if k in msg and msg[k] is not None}
+        if "tool_calls" in kept and not isinstance(kept["tool_calls"], list):
+            raise bad("Failed to parse messages: 'tool_calls' must be an array")
+        out.append({"role": role, "content": text, **kept})
     if len(out) >= 2 and out[-1]["role"] == "assistant" and out[-2]["role"] == "assistant":
         raise bad("Cannot have 2 or more assistant messages at the end of the list.")
     return out
+
+
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept for the template and gateway/tool_calls.py
 
 
 def openai_layer(body: Any) -> tuple[dict, list[dict]]:
@@ -189,7 +198,7 @@ def openai_layer(body: Any) -> tuple[dict, list[dict]]:
     json_schema = json_value(body, "json_schema", None)
     grammar = json_value(body, "grammar", "", get_string)
     if json_schema is not None and grammar:
-        raise failed("Cannot use both json_schema and grammar")
+        raise bad("Cannot use both json_schema and grammar")  # llama-server's words, as a 500
     if isinstance(body, dict) and "response_format" in body:
         rf = json_value(body, "response_format", {})
         kind = json_value(rf, "type", "", get_string)
@@ -235,8 +244,8 @@ IGNORED = {
     "metadata": "llama-server ignores it too",
     "store": "llama-server ignores it too",
     "service_tier": "llama-server ignores it too",
-    "parallel_tool_calls": "read only with tools, which are refused",
-    "tool_choice": "read only with tools, which are refused",
+    "parallel_tool_calls": "read with tools (gateway/tool_calls.py); without them nothing to call",
+    "tool_choice": "read with tools (gateway/tool_calls.py); without them auto and none are the same",
     "grammar_lazy": "set by llama-server itself from the template",
     "chat_format": "set by llama-server itself from the template",
     "generation_prompt": "set by llama-server itself from the template",
@@ -258,7 +267,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         (probs_field, p["n_probs"] > N_PROBS_MAX, f"at most {N_PROBS_MAX} top logprobs per token"),
         ("mirostat", p["mirostat"] != 0, None),
         ("samplers", p["samplers"] != DEFAULT_SAMPLERS, "only llama-server's default order"),
-        ("tools", has_tools(request), None),
         ("verbose", p.get("verbose") is True, None),
         ("timings_per_token", p.get("timings_per_token") is True, None),
         ("return_progress", p.get("return_progress") is True, None),
@@ -293,8 +301,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
             if why:
                 raise NotSupported(f"'{name}' is not supported by bankml serve --native: {why}")
             raise _not_supported(name)
-    if any("tool_calls" in m for m in messages):
-        raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
         raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 
@@ -325,10 +331,30 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     if model is not None and not isinstance(model, str):
         model = None  # the route resolved it already (not a string: the startup model)
     grammar = chat_grammar(p, request)
+    tools = read_tools(request)
+    response_schema = None
+    if tools is not None and tools.active:
+        response_schema, grammar = _response_schema(request), None  # the tools' plan makes the grammar
     p["logit_bias"] = read_logit_bias(p.get("logit_bias"))
     p["ignore_eos"] = bool(p.get("ignore_eos"))
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
-                       bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar)
+                       bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar,
+                       tools, response_schema)
+
+
+def _response_schema(request: dict) -> Any:
+    """The schema an answer with tools responds in when it does not call (the generic format's
+    `response`): response_format's, else the body's `json_schema`; None for text."""
+    rf = request.get("response_format")
+    if isinstance(rf, dict):
+        if rf.get("type") == "json_object":
+            return rf["schema"] if isinstance(rf.get("schema"), dict) else {"type": "object"}
+        if rf.get("type") == "json_schema":
+            wrapper = rf.get("json_schema")
+            schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
+            return schema if isinstance(schema, dict) else {}
+    schema = request.get("json_schema")
+    return schema if isinstance(schema, dict) else None
 

@@ -38,10 +38,13 @@ from gateway.constraints import attach_constraints
 from gateway.errors import exceed_context, json_response
 from gateway.generation import answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
 from gateway.monitoring import Answer
-from gateway.openai_chat import DONE_EVENT, Completion, logprob_entry, receipt_event, timings
+from gateway.openai_chat import DONE_EVENT, Completion, finish_reason, logprob_entry, receipt_event, timings
 from gateway.receipt import Tally
 from gateway.request_fields import gguf_defaults
 from gateway.residency import FOREVER
+from gateway.tool_calls import ToolPlan, ToolStream
+from gateway.tool_calls import parse as parse_calls
+from gateway.tool_calls import plan as tool_plan
 from model.messages import FinishReason, GenerateRequest
 
 
@@ -56,7 +59,10 @@ async def chat_completions(request, state):
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         check_n(chat.n, engine_sequences(loaded))
-        prompt = await asyncio.to_thread(loaded.model.prompt, chat.messages, chat.add_generation_prompt)
+        # tools (gateway/tool_calls.py): the template's messages and tools, and the grammar of a call
+        plan = tool_plan(chat.tools, chat.messages, loaded.model.chat_template, chat.response_schema)
+        messages, tools = (chat.messages, None) if plan is None else (plan.messages, plan.template_tools)
+        prompt = await asyncio.to_thread(loaded.model.prompt, messages, chat.add_generation_prompt, tools)
         n_ctx = min(n_ctx, loaded.model.n_ctx)  # a derived model's num_ctx: its prompt must fit in that
         if len(prompt) >= n_ctx:
             raise exceed_context(len(prompt), n_ctx)
@@ -66,38 +72,42 @@ async def chat_completions(request, state):
         requests = [GenerateRequest(prompt, chat.params, request_id=completion.id if chat.n == 1 else
                                     f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream)
                     for j in range(chat.n)]
-        await attach_constraints(loaded, requests, chat.grammar)  # a 400 before any model work
+        grammar = chat.grammar if plan is None else plan.grammar
+        await attach_constraints(loaded, requests, grammar)  # a 400 before any model work
         try:
             with state.monitoring.answer() as answer:
                 if chat.stream:
                     return await _streamed(request, loaded, requests, body, completion, answer,
-                                           chat.timings_per_token)
-                return await _whole(loaded, requests, body, completion, answer)
+                                           chat.timings_per_token, plan)
+                return await _whole(loaded, requests, body, completion, answer, plan)
         finally:
             state.residency.touch(pin.name, FOREVER)  # spec §2: /v1 keeps its model forever
 
 
-async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer):
+async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer,
+                 plan: ToolPlan | None):
     tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
     done = await whole(loaded, requests, lambda out: logprob_entry(out.logprobs))
     for f in done:
         answer.record(metrics_model(loaded), f.last)
+    parsed = [None if plan is None else parse_calls(plan, f.text) for f in done]
     if len(done) == 1:
         f = done[0]
         return json_response(completion.body(f.text, f.last, answer_receipt(loaded, tallies[0], f.text, f.last, f.entries),
-                                             f.entries))
+                                             f.entries, parsed[0]))
     choices = []
     for j, f in enumerate(done):  # n > 1: each choice is an answer, with its own receipt
-        choice = completion.choice(j, f.text, f.last, f.entries)
+        choice = completion.choice(j, f.text, f.last, f.entries, parsed[j])
         choice["bankml_receipt"] = answer_receipt(loaded, tallies[j], f.text, f.last, f.entries)
         choices.append(choice)
     return json_response(completion.body_of(choices, done[0].last, None))
 
 
 async def _streamed(request, loaded, requests: list[GenerateRequest], body: bytes, completion: Completion,
-                    answer: Answer, timed: bool):
+                    answer: Answer, timed: bool, plan: ToolPlan | None):
     response = None
     tallies = [Tally.start(body) for _ in requests]
+    calls = [None if plan is None else ToolStream(plan) for _ in requests]  # deltas of content and calls
     sent_entries: list[list[dict]] = [[] for _ in requests]
     opened = [False] * len(requests)
     async with outputs(loaded, requests) as stream:
@@ -119,7 +129,11 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
                 if rides:
                     sent_entries[j] += rides
                     entry = None
-            if out.text:
+            if out.text and calls[j] is not None:  # tools: content once it is sure to be, calls once whole
+                tallies[j].sent(out.text)
+                for kind, delta in calls[j].feed(out.text):
+                    await response.send(completion.delta_chunk(kind, delta, j, out if timed else None))
+            elif out.text:
                 await response.send(completion.chunk(out.text, entry, j, out if timed else None))
                 tallies[j].sent(out.text)
                 sent_entries[j] += entry or []
@@ -129,7 +143,13 @@ async def _streamed(request, loaded, requests: list[GenerateRequest], body: byte
                 if sent_entries[j]:
                     tally.logprobs(sent_entries[j])
                 answer.record(metrics_model(loaded), out)
-                await response.send(completion.final_chunks(out, j, timed))
+                finish = None
+                if calls[j] is not None:
+                    deltas, parsed = calls[j].finish()
+                    for kind, delta in deltas:
+                        await response.send(completion.delta_chunk(kind, delta, j, out if timed else None))
+                    finish = finish_reason(out, parsed)
+                await response.send(completion.final_chunks(out, j, timed, finish))
                 await response.send(receipt_event(tally.receipt_for(loaded), None if len(requests) == 1 else j,
                                                   timings(out) if timed else None))
         if response is not None:

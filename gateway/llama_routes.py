@@ -23,7 +23,7 @@ from typing import Any
 
 from bankml import jstr
 from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
-from gateway.chat_request import has_tools, openai_layer, parse_body
+from gateway.chat_request import openai_layer, parse_body
 from gateway.errors import json_response
 from gateway.json_values import get_bool, json_value
 from gateway.llama_props import props_json
@@ -31,6 +31,8 @@ from gateway.llama_text import detokenize_body, tokenize_json
 from gateway.ollama_models import v1_models_data
 from gateway.params_json import params_json
 from gateway.sanic_app import query_of, takes_query
+from gateway.tool_calls import plan as tool_plan
+from gateway.tool_calls import read_tools
 from model.messages import SequenceState
 
 _TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
@@ -90,7 +92,11 @@ async def apply_template(request, state):
     refuse_template_changes(req, messages)
     add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
+    plan = tool_plan(read_tools(req), messages, loaded.model.chat_template)  # the prompt a chat would get
+    if plan is not None:
+        messages = plan.messages
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt,
+                             plan.template_tools if plan is not None else None)
     return json_response(jstr.dumps({"prompt": prompt}))
 
 
@@ -102,19 +108,19 @@ async def count_tokens(request, state):
     refuse_template_changes(req, messages)
     add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt)
+    plan = tool_plan(read_tools(req), messages, loaded.model.chat_template)  # the prompt a chat would get
+    if plan is not None:
+        messages = plan.messages
+    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt,
+                             plan.template_tools if plan is not None else None)
     tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
     return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
 
 
 def refuse_template_changes(req: dict, messages: list[dict]) -> None:
     """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
-    if has_tools(req):
-        raise NotSupported("'tools' is not supported by bankml serve --native yet")
     if json_value(req, "chat_template_kwargs", {}):
         raise NotSupported("'chat_template_kwargs' is not supported by bankml serve --native yet")
-    if any("tool_calls" in m for m in messages):
-        raise NotSupported("'tool_calls' in messages is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
         raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 

@@ -40,13 +40,14 @@ class NativeModel:
         return cls(engine.tokenizer, int(engine.n_ctx), template if isinstance(template, str) else None,
                    gguf_defaults(kv))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation (llama-server's /apply-template); a template error is a 400."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation (llama-server's /apply-template), `tools` passed to the
+        template (gateway/tool_calls.py); a template error is a 400."""
         tok = self.tokenizer
         try:
             return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=tok.bos_token, eos_token=tok.eos_token,
-                               add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos))
+                               add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos), tools=tools)
         except TemplateError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -59,13 +60,14 @@ class NativeModel:
             raise InvalidRequest(str(e)) from None
         return [int(t) for t in ids]
 
-    def prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> list[int]:
         """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added).
 
         The tokenizer stops once a prompt is sure not to fit: up to `count_limit` tokens the count in
         llama-server's exceed_context_size_error is exact, beyond it the count made so far ("at least").
         """
-        text = self.render(messages, add_generation_prompt)
+        text = self.render(messages, add_generation_prompt, tools)
         try:
             return self.tokenize(text, add_special=True, parse_special=True, limit=self.count_limit)
         except TokenLimitExceeded as e:

