@@ -35,6 +35,9 @@ from gateway.ollama_request import OllamaRequest, parse_ollama
 from gateway.ollama_shapes import NDJSON, final_line, final_object, logprob_entry, piece_line
 from gateway.prompt_fit import chat_prompt, raw_prompt
 from gateway.receipt import Tally
+from gateway.tool_calls import ToolPlan, ToolStream, ollama_calls
+from gateway.tool_calls import parse as parse_calls
+from gateway.tool_calls import plan as tool_plan
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
 REFUSED = {
@@ -75,11 +78,16 @@ async def _answer(request, state, kind: str):
     try:
         async with residency.lease(req.pin) as held:
             residency.record_shown(name, req.tag, req.num_ctx or n_ctx, held.reloaded)
-            prompt = await asyncio.to_thread(_prompt, held.loaded.model, req)
+            model = held.loaded.model
+            # tools (gateway/tool_calls.py): the template's messages and tools, the grammar of the format
+            plan = None if req.tools is None else \
+                tool_plan(req.tools, req.messages or [], model.chat_template, req.response_schema)
+            prompt = await asyncio.to_thread(_prompt, model, req, plan)
             engine_request = GenerateRequest(prompt, req.params, request_id=f"ollama-{uuid.uuid4().hex}")
-            await attach_constraints(held.loaded, [engine_request], req.grammar)  # a 400 before any model work
+            grammar = req.grammar if plan is None else plan.grammar
+            await attach_constraints(held.loaded, [engine_request], grammar)  # a 400 before any model work
             with state.monitoring.answer() as answer:
-                run = _Run(req, held, Tally.start(body), answer, t0_ns)
+                run = _Run(req, held, Tally.start(body), answer, t0_ns, plan)
                 if req.stream:
                     return await run.streamed(request, engine_request)
                 return await run.whole(engine_request)
@@ -87,9 +95,11 @@ async def _answer(request, state, kind: str):
         residency.touch(name, req.keep_alive_s)  # after the answer, as Ollama's scheduler does
 
 
-def _prompt(model, req: OllamaRequest) -> list[int]:
+def _prompt(model, req: OllamaRequest, plan: ToolPlan | None) -> list[int]:
     if req.raw_prompt is not None:
         return raw_prompt(model, req.raw_prompt, req.num_ctx)
+    if plan is not None:
+        return chat_prompt(model, plan.messages, req.num_ctx, plan.template_tools)
     return chat_prompt(model, req.messages, req.num_ctx)
 
 
@@ -115,15 +125,18 @@ async def _load_or_unload(state, req: OllamaRequest, t0_ns: int, n_ctx: int) -> 
 class _Run:
     """One answer being written: the request, the leased model, the receipt's tally, the monitor's record."""
 
-    def __init__(self, req: OllamaRequest, held, tally: Tally, answer: Answer, t0_ns: int):
+    def __init__(self, req: OllamaRequest, held, tally: Tally, answer: Answer, t0_ns: int, plan: ToolPlan | None):
         self.req, self.held, self.tally, self.answer, self.t0_ns = req, held, tally, answer, t0_ns
         self.loaded = held.loaded
+        self.plan = plan
 
     def _entry(self, out: StepOutput) -> dict | None:
         return logprob_entry(out.logprobs, self.req.top_logprobs) if out.logprobs is not None else None
 
-    def _finish(self, last: StepOutput, text: str, entries: list[dict], streamed: bool) -> str:
-        """The final object: the monitor's record, the receipt over the text as sent."""
+    def _finish(self, last: StepOutput, text: str, entries: list[dict], streamed: bool,
+                calls: list[dict] | None = None) -> str:
+        """The final object: the monitor's record, the receipt over the text as generated (with tools, the
+        content and calls are parsed from it)."""
         self.answer.record(self.loaded.file_name.removesuffix(".gguf"), last)  # the metrics keep the file's case
         self.tally.answered(last)
         if entries:
@@ -131,7 +144,7 @@ class _Run:
         receipt = self.tally.receipt_for(self.loaded)
         return final_object(self.req.tag, self.req.kind, "" if streamed else text, last.finish_reason.value,
                             time.perf_counter_ns() - self.t0_ns, self.held.load_ns, last,
-                            None if streamed else entries, receipt)
+                            None if streamed else entries, receipt, calls)
 
     async def whole(self, engine_request: GenerateRequest) -> HTTPResponse:
         pieces: list[str] = []
@@ -152,12 +165,18 @@ class _Run:
         if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
             entries = entries[:max(0, len(entries) - last.logprobs_trim)]
         self.tally.sent(text)
-        return json_response(self._finish(last, text, entries, streamed=False))
+        if self.plan is None:
+            return json_response(self._finish(last, text, entries, streamed=False))
+        parsed = parse_calls(self.plan, text)
+        return json_response(self._finish(last, parsed.content or "", entries, streamed=False,
+                                          calls=ollama_calls(parsed.calls)))
 
     async def streamed(self, request, engine_request: GenerateRequest) -> None:
         req = self.req
         response = None
         sent_entries: list[dict] = []
+        pending: list[dict] = []  # with tools: entries not yet on a line
+        calls = None if self.plan is None else ToolStream(self.plan)
         first = True
         async with self.loaded.client.generate(engine_request) as generation:
             async for out in generation:
@@ -172,14 +191,40 @@ class _Run:
                     response = await request.respond(content_type=NDJSON, headers={"Cache-Control": "no-cache"})
                 entry = self._entry(out)
                 text = out.text + (out.held_text if out.finish_reason is not None else "")
-                if text or (first and entry is not None):
+                if calls is not None:  # tools: content once it is sure to be, the calls once whole
+                    pending += [entry] if entry is not None else []
+                    self.tally.sent(text)
+                    deltas = calls.feed(text)
+                    if out.finish_reason is not None:
+                        more, _ = calls.finish()
+                        deltas += more
+                    for line in _tool_lines(req, deltas, pending):
+                        sent_entries += pending
+                        pending = []
+                        await response.send(line)
+                elif text or (first and entry is not None):
                     line_entries = [entry] if entry is not None else None
                     await response.send(piece_line(req.tag, req.kind, text, line_entries))
                     self.tally.sent(text)
                     sent_entries += line_entries or []
                 first = False
                 if out.finish_reason is not None:
+                    if pending:  # with tools, entries no delta carried: a line of their own
+                        await response.send(piece_line(req.tag, req.kind, "", pending))
+                        sent_entries += pending
                     await response.send(final_line(self._finish(out, "", sent_entries, streamed=True)))
                     await response.eof()
         return None  # the answer went out through `response`
 
+
+
+def _tool_lines(req: OllamaRequest, deltas: list, entries: list[dict]):
+    """NDJSON lines for ToolStream deltas: content pieces, then the calls on one line (Ollama's form);
+    the first line carries the entries not yet sent."""
+    content = "".join(d for kind, d in deltas if kind == "content")
+    calls = [{k: v for k, v in d.items() if k != "index"} for kind, d in deltas if kind == "call"]
+    if content:
+        yield piece_line(req.tag, req.kind, content, entries or None)
+        entries = []
+    if calls:
+        yield piece_line(req.tag, req.kind, "", entries or None, ollama_calls(calls))

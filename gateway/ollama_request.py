@@ -9,7 +9,9 @@
    only loads or unloads: nothing else is checked on that path (as in the Rust bankml);
 3. `format` (Ollama's llm/server.go: null or "" nothing, "json" its JSON grammar, an object a
    schema, anything else its "invalid format" error; with raw too, as Ollama applies it there), then
-   the refusals, in order (tools, images, suffix, template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
+   `tools` (chat: gateway/tool_calls.read_tools, as /v1 reads them, `auto` only, as Ollama has no
+   tool_choice; generate: refused, Ollama's generate takes none), the refusals, in order (images,
+   suffix, template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
    pin's GGUF defaults through llama-server's own field table and checks, gateway/request_fields.py,
    so a bad value gets the message /v1 gives it), then the messages.
 Every refusal is a 400 `{"error"}`; where the Rust bankml has a message for it (bankML/ollama.rs, the top_k
@@ -31,6 +33,7 @@ from gateway.derived import apply_ollama
 from gateway.json_values import get_int
 from gateway.registry import Pin, Registry, Resolved
 from gateway.request_fields import I32_MAX, read_fields
+from gateway.tool_calls import Tools, from_ollama_calls, read_tools
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
 
 TOP_LOGPROBS_MAX = 20
@@ -49,8 +52,6 @@ MIROSTAT_REFUSED = ("mirostat: not reproduced; bankML reproduces llama.cpp's def
                     "DRY, top-n-σ, top-k, typical-p, top-p, min-p, XTC, temperature), not mirostat")
 IMAGES_REFUSED = "images: bankML's models are text-only; vision is out of scope"
 REFUSALS = (  # (field, why), checked in this order when the field is present
-    ("tools", "tools: tool calling is not supported by bankml serve --native yet (it needs the template's "
-              "tool rendering and a grammar)"),
     ("images", IMAGES_REFUSED),
     ("suffix", "suffix: fill-in-the-middle is not reproduced; send the whole prompt"),
     ("template", "template: bankML renders the pinned model's own chat template (as llama-server --jinja does); "
@@ -78,6 +79,8 @@ class OllamaRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # `format` as llguidance grammar text (gateway/constraints.py)
+    tools: Tools | None = None  # chat's `tools` (gateway/tool_calls.py)
+    response_schema: Any = None  # `format` as a schema: what an answer with tools responds in
 
     @property
     def pin(self) -> Pin:
@@ -268,7 +271,8 @@ def sampling_params(opts: Options, defaults: SamplingParams, n_probs: int) -> Sa
 
 
 def chat_messages(v: Any) -> list[dict]:
-    """Ollama's messages for the template: a role and text content; `thinking` is the reasoning."""
+    """Ollama's messages for the template: a role and text content; `thinking` is the reasoning; an
+    assistant's `tool_calls` and a tool's `tool_name` are kept (gateway/tool_calls.py renders them)."""
     if not isinstance(v, list):
         raise bad("messages must be an array")
     out = []
@@ -277,8 +281,6 @@ def chat_messages(v: Any) -> list[dict]:
             raise bad("a message without a role")
         if isinstance(m.get("images"), list) and m["images"]:
             raise bad(IMAGES_REFUSED)
-        if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
-            raise bad("tool_calls: tool calling is not supported by bankml serve --native yet")
         role = m.get("role")
         if not isinstance(role, str):
             raise bad("a message without a role")
@@ -286,6 +288,11 @@ def chat_messages(v: Any) -> list[dict]:
         if content is not None and not isinstance(content, str):
             raise bad("only text content is in scope")
         msg = {"role": role, "content": content or ""}
+        if m.get("tool_calls"):  # Ollama's {"function": {"name", "arguments": {...}}}, in OpenAI's form
+            msg["tool_calls"] = from_ollama_calls(m["tool_calls"])
+        for key in ("tool_name", "tool_call_id"):  # a tool's result: which tool, which call
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
         thinking = m.get("thinking", m.get("reasoning_content"))
         if isinstance(thinking, str):
             msg["reasoning_content"] = thinking
@@ -317,6 +324,7 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
     if is_empty_prompt(kind, request):
         return OllamaRequest(kind, resolved, request, ka, stream, True, _empty_num_ctx(request, n_ctx))
     grammar = ollama_format_grammar(request.get("format"))
+    tools = _tools(kind, request)
     refusals(request)
     raw = kind == "generate" and _bool(request, "raw", False)
     logprobs, top = read_logprobs(request)
@@ -337,5 +345,17 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
             raise bad("system must be a string")
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": request["prompt"]}]
+    fmt = request.get("format")
+    schema = {"type": "object"} if fmt == "json" else fmt if isinstance(fmt, dict) else None
     return OllamaRequest(kind, resolved, request, ka, stream, False, opts.num_ctx, params, messages, raw_prompt,
-                         logprobs, top, grammar)
+                         logprobs, top, grammar, tools, schema)
+
+
+def _tools(kind: str, request: dict) -> Tools | None:
+    """Chat's tools, under `auto` (Ollama has no tool_choice or parallel_tool_calls: one call, or text)."""
+    if not is_present(request.get("tools")):
+        return None
+    if kind != "chat":
+        raise bad("tools: /api/generate takes no tools (Ollama's generate has no tool calling); send the "
+                  "conversation to /api/chat")
+    return read_tools({"tools": request["tools"]})

@@ -2,7 +2,9 @@
 style (bankml/jstr.py: `", "` and `": "` separators, keys in a fixed order).
 
 - a streamed answer is NDJSON: one line per non-empty piece, `{"model", "created_at", "message":
-  {"role": "assistant", "content"} | "response", "done": false[, "logprobs"]}`, then the final object;
+  {"role": "assistant", "content"[, "tool_calls"]} | "response", "done": false[, "logprobs"]}`, then the
+  final object; an answer's tool calls (Ollama's form, gateway/tool_calls.ollama_calls) come whole, on
+  a line of their own before the final one, or in the whole answer's message;
 - the final object: `{"model", "created_at", "message"|"response" (empty when streamed, the whole text
   when not), "done": true, "done_reason", "total_duration", "load_duration", "prompt_eval_count",
   "prompt_eval_duration", "eval_count", "eval_duration", "bankml_cache_n", ["logprobs"],
@@ -58,13 +60,20 @@ def logprob_entry(e: LogprobEntry, top: int) -> dict:
     return out
 
 
-def _content(kind: str, text: str) -> dict:
-    return {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"response": text}
+def _content(kind: str, text: str, tool_calls: list[dict] | None = None) -> dict:
+    if kind != "chat":
+        return {"response": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"message": message}
 
 
-def piece_line(tag: str, kind: str, piece: str, logprobs: list[dict] | None = None) -> bytes:
-    """One NDJSON line of a streamed answer."""
-    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, piece), "done": False}
+def piece_line(tag: str, kind: str, piece: str, logprobs: list[dict] | None = None,
+               tool_calls: list[dict] | None = None) -> bytes:
+    """One NDJSON line of a streamed answer (the calls, Ollama's form, ride on a line of their own)."""
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, piece, tool_calls),
+                           "done": False}
     if logprobs:
         obj["logprobs"] = logprobs
     return (jstr.dumps(obj) + "\n").encode("utf-8")
@@ -76,9 +85,10 @@ def _ns(ms: float) -> int:
 
 def final_object(tag: str, kind: str, text: str, done_reason: str, total_ns: int, load_ns: int,
                  last: StepOutput | None = None, logprobs: list[dict] | None = None,
-                 receipt: dict | None = None) -> str:
+                 receipt: dict | None = None, tool_calls: list[dict] | None = None) -> str:
     """The last object's JSON text; without `last` (a load or unload) it has no counts and no receipt."""
-    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, text), "done": True,
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, text, tool_calls),
+                           "done": True,
                            "done_reason": done_reason, "total_duration": int(total_ns), "load_duration": int(load_ns)}
     if last is not None:
         obj.update(prompt_eval_count=last.prompt_tokens, prompt_eval_duration=_ns(last.prompt_ms),

@@ -79,6 +79,15 @@ def test_the_final_object_has_the_spec_keys_in_order_and_integer_durations():
     assert list(with_logprobs) == ["model", "created_at", "response", *FINAL_KEYS[3:-1], "logprobs", "bankml_receipt"]
 
 
+def test_tool_calls_ride_in_the_message_after_its_content():
+    calls = [{"id": "abcd", "function": {"index": 0, "name": "f", "arguments": {"x": 1}}}]
+    obj = json.loads(final_object("m:latest", "chat", "", "stop", 1, 0, _last(), None, {"r": 1}, calls))
+    assert obj["message"] == {"role": "assistant", "content": "", "tool_calls": calls}
+    line = json.loads(piece_line("m:latest", "chat", "", None, calls))
+    assert line["message"] == {"role": "assistant", "content": "", "tool_calls": calls} and line["done"] is False
+    assert "tool_calls" not in json.loads(piece_line("m:latest", "chat", "hi", None, []))["message"]
+
+
 def test_a_load_has_no_counts_and_no_receipt():
     obj = json.loads(final_object("m:latest", "chat", "", "load", 10, 7))
     assert list(obj) == ["model", "created_at", "message", "done", "done_reason", "total_duration", "load_duration"]
@@ -118,8 +127,9 @@ class _Model:
     n_ctx = 4096
     count_limit = 2 * 4096 + 1024
 
-    def render(self, messages, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def render(self, messages, add_generation_prompt=True, tools=None):
+        listed = "".join(f"<tool>{t['function']['name']}" for t in tools or [])
+        return listed + "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     def tokenize(self, text, add_special, parse_special, limit=None):
         return [ord(c) for c in text]

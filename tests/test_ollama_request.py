@@ -167,7 +167,15 @@ def test_absent_means_null_false_empty():
 
 
 def test_refusals_come_before_the_options():
-    assert refused(chat, tools=[{"x": 1}], options={"bogus": 1}).startswith("tools:")
+    assert refused(chat, tools=[{"x": 1}], options={"bogus": 1}).startswith("Failed to parse tools: a tool must be")
+    assert refused(generate, tools=[{"x": 1}], options={"bogus": 1}).startswith("tools: /api/generate takes no tools")
+
+
+def test_chat_tools_are_read_under_auto_and_format_is_their_response_schema():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = chat(tools=[tool], format="json", tool_choice="required")  # Ollama has no tool_choice: not read
+    assert req.tools.choice == "auto" and [f["name"] for f in req.tools.functions] == ["f"]
+    assert req.response_schema == {"type": "object"} and chat().tools is None
 
 
 def test_logprobs():
@@ -288,8 +296,15 @@ def test_chat_messages():
     assert refused(chat, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == \
         "only text content is in scope"
     assert refused(chat, messages=[{"role": "user", "content": "hi", "images": ["aGk="]}]).startswith("images:")
-    assert refused(chat, messages=[{"role": "assistant", "tool_calls": [{"function": {}}]}]).startswith("tool_calls:")
+    assert refused(chat, messages=[{"role": "assistant", "tool_calls": [{"function": {}}]}]).startswith(
+        "a tool call needs a 'function' with a 'name'")
     assert chat(messages=[{"role": "user", "content": "hi", "images": [], "tool_calls": []}]).messages == HI
+    # a call in the history (Ollama's form) in OpenAI's, the tool's result with its name
+    calls = chat(messages=[{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": {"x": 1}}}]}, {"role": "tool", "tool_name": "f", "content": "2"}])
+    (call,) = calls.messages[0]["tool_calls"]
+    assert call["type"] == "function" and call["function"] == {"name": "f", "arguments": {"x": 1}} and call["id"]
+    assert calls.messages[1] == {"role": "tool", "content": "2", "tool_name": "f"}
     # the messages are checked after the options
     assert refused(chat, messages=[{"content": "hi"}], options={"bogus": 1}).startswith("options.bogus")
 

@@ -22,8 +22,10 @@ class WordModel:
     def count_limit(self) -> int:
         return 2 * self.n_ctx + 16
 
-    def render(self, messages, add_generation_prompt=True):
-        return " ".join(f"{m['role']}: {m['content']}" for m in messages) + (" assistant:" if add_generation_prompt else "")
+    def render(self, messages, add_generation_prompt=True, tools=None):
+        listed = f"tools: {' '.join(t['function']['name'] for t in tools)} " if tools else ""
+        return listed + " ".join(f"{m['role']}: {m['content']}" for m in messages) + \
+            (" assistant:" if add_generation_prompt else "")
 
     def tokenize(self, text, add_special, parse_special, limit=None):
         self.calls += 1
@@ -102,6 +104,14 @@ def test_a_fitted_prompt_is_the_templated_kept_conversation():
     m = WordModel()
     conv = [msg("system", 2, "s"), msg("user", 10, "a"), msg("assistant", 10, "b"), msg("user", 3, "c")]
     assert chat_prompt(m, conv, 20) == m.tokenize(m.render([conv[0], conv[2], conv[3]]), True, True)
+
+
+def test_the_tools_are_in_every_candidate_and_count_against_num_ctx():
+    m = WordModel()
+    conv = [msg("system", 2, "s"), msg("user", 10, "a"), msg("assistant", 10, "b"), msg("user", 3, "c")]
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(9)]  # 10 words of template
+    got = chat_prompt(m, conv, 20, tools)
+    assert got == m.tokenize(m.render([conv[0], conv[3]], True, tools), True, True)  # one more message cut
 
 
 def test_the_servers_context_bounds_it_too():
