@@ -1,10 +1,13 @@
-"""Structured output through unchanged clients, on `bankml serve --native` with the real SmolLM2.
+"""Structured output and tool calls through unchanged clients, on `bankml serve --native` with the real SmolLM2.
 
 The issue's item 4: the `openai` client's `chat.completions.parse(response_format=Model)` for five pydantic
 models (nested objects, arrays, enums, optional fields, bounded numbers) returns objects that validate;
 `json_object` gives parseable JSON; a GBNF grammar (llama-server's `grammar` field) is matched; the `ollama`
-client's `chat(format=schema)` validates. One server for the module; every generation is bounded.
-(Tool calls, the issue's item 3, are not built yet: their client tests come with them.)
+client's `chat(format=schema)` validates. Tool calls (item 3; SmolLM2's template knows no tools, so the
+generic JSON format): `tool_choice="required"` gives a call whose arguments validate against the
+function's parameters; a round trip (call, tool result, final answer) works; a streamed call assembles to
+the plain one; the `ollama` client gets its calls with the arguments as an object and sends them back.
+One server for the module; every generation is bounded.
 The constraint is llguidance's (model/constraint.py), so whatever the tiny model "wants", the output parses.
 """
 
@@ -20,7 +23,7 @@ import ollama
 import openai
 import pytest
 from gateway_helpers import CliServer
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -149,3 +152,77 @@ def test_ollama_format_schema_validates(served):
                              messages=[{"role": "user", "content": 'Reply with {"name": "Rex"}.'}])
     assert isinstance(json.loads(plain_json.message.content), dict)
 
+
+
+def _required_call(client, model, **kw):
+    return client.chat.completions.create(model=model, temperature=0, max_tokens=MAX, tools=[WEATHER],
+                                          tool_choice="required", messages=ASK_WEATHER, **kw)
+
+
+def test_a_required_tool_call_has_arguments_that_validate(client, model):
+    answer = _required_call(client, model)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    try:
+        WeatherArgs.model_validate_json(call.function.arguments)
+    except ValidationError as e:  # pragma: no cover - the message names what was wrong
+        pytest.fail(f"arguments {call.function.arguments!r}: {e}")
+
+
+def test_a_round_trip_call_tool_result_final_answer(client, model):
+    call = _required_call(client, model).choices[0].message.tool_calls[0]
+    history = [*ASK_WEATHER,
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "clear"})}]
+    final = client.chat.completions.create(model=model, temperature=0, max_tokens=32, tools=[WEATHER],
+                                           tool_choice="none", messages=history)
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    assert choice.message.content.strip()
+
+
+def test_a_streamed_call_assembles_to_the_plain_one(client, model):
+    plain = _required_call(client, model).choices[0].message.tool_calls[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in _required_call(client, model, stream=True):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = d.id or c["id"]
+            if d.function is not None:
+                c["name"] += d.function.name or ""
+                c["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == plain.function.name
+    assert json.loads(calls[0]["arguments"]) == json.loads(plain.function.arguments)
+    assert calls[0]["id"]
+
+
+def test_ollama_tools_come_back_as_calls_and_go_back_in_the_history(served):
+    client = ollama.Client(host=served.url(), timeout=600)
+    name = "smollm2-135m-instruct.q4_1"
+    answer = client.chat(model=name, tools=[WEATHER], messages=ASK_WEATHER,
+                         options={"temperature": 0, "num_predict": MAX})
+    if answer.message.tool_calls:  # Ollama has no tool_choice: the model may answer in words instead
+        (call,) = answer.message.tool_calls
+        assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
+        assert answer.message.content == ""
+    else:
+        assert answer.message.content.strip() and not answer.message.content.lstrip().startswith("{")
+    streamed = [c for c in client.chat(model=name, tools=[WEATHER], messages=ASK_WEATHER, stream=True,
+                                       options={"temperature": 0, "num_predict": MAX})]
+    assert [tc.function.name for c in streamed for tc in c.message.tool_calls or []] == \
+        [tc.function.name for tc in answer.message.tool_calls or []]
+    assert "".join(c.message.content or "" for c in streamed) == answer.message.content
+    # the history a client sends back: its call (arguments an object), the tool's result by name
+    history = [*ASK_WEATHER,
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]},
+               {"role": "tool", "tool_name": "get_weather", "content": '{"temperature_c": 18}'}]
+    final = client.chat(model=name, tools=[WEATHER], messages=history, options={"temperature": 0, "num_predict": MAX})
+    assert final.done and (final.message.content.strip() or final.message.tool_calls)
