@@ -293,8 +293,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("web_search_options", has_value(request, "web_search_options"), None),
         ("response_format", has_value(request, "response_format") and not isinstance(request["response_format"], dict),
          "it must be an object, e.g. {\"type\": \"text\"}"),
-        ("tool_choice", not has_tools(request) and json_value(request, "tool_choice", "auto") not in ("auto", "none"),
-         "a tool_choice other than auto or none needs tools"),
     )
     for name, refused, why in checks:
         if refused:
@@ -303,10 +301,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
             raise _not_supported(name)
     if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
         raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
-
-
-def has_tools(request: dict) -> bool:
-    return isinstance(request.get("tools"), list) and bool(request["tools"])
 
 
 _SAMPLING = {f.name for f in fields(SamplingParams)}
