@@ -123,7 +123,7 @@ step gpu_check "$(limit 90)" "$OUT/gpu_check.json" "$PY" -m bankml.cli gpu-check
 # The dry run runs them on the CPU, kernels interpreted (tests/test_gpu_kernels.py says how).
 if [ $DRY = 1 ]; then test_env=(BANKML_GPU_TESTS_ON_CPU=1 TRITON_INTERPRET=1); else test_env=(TRITON_INTERPRET=0); fi
 step gpu_tests "$(limit 120)" "$OUT/gpu_tests.txt" env "${test_env[@]}" BANKML_GPU_REPORT="$OUT/gpu_tests.json" \
-    "$PY" -m pytest -q -m gpu tests/test_gpu_kernels.py -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+    "$PY" -m pytest -q -o addopts=-ra -m gpu tests/test_gpu_kernels.py -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 
 [ -n "$synth_pid" ] && wait "$synth_pid"
 if [ $DRY = 1 ]; then
