@@ -182,9 +182,22 @@ def run_peer(args, levels: list[int]) -> dict:
 
     model = Path(args.model or default_model_path())
     binary = llama_binary(args.llama_bin)
-    server = LlamaServer(binary, model, max(levels), args.ctx, args.threads, args.llama_args.split())
+    extra = args.llama_args.split()
+    crashed = None
     try:
-        return {"binary": binary, "cmd": server.cmd,
+        server = LlamaServer(binary, model, max(levels), args.ctx, args.threads, extra)
+    except RuntimeError as e:
+        if "--no-repack" in extra:
+            raise
+        # its repacked CPU kernels die on some machines (this one: SIGSEGV at start): say so, and run the
+        # configuration that starts, the weights as they are in the file
+        crashed = {"args": extra, "error": str(e)[-1500:]}
+        print(f"llama-server at its defaults did not start ({str(e).splitlines()[0]}); again with --no-repack",
+              file=sys.stderr, flush=True)
+        extra = [*extra, "--no-repack"]
+        server = LlamaServer(binary, model, max(levels), args.ctx, args.threads, extra)
+    try:
+        return {"binary": binary, "cmd": server.cmd, "defaults_crashed": crashed,
                 "levels": measure(server.url(), levels, args.tokens, args.repeats, True, "llama-server")}
     finally:
         server.close()
