@@ -421,7 +421,8 @@ class ToolStream:
         self.plan = p
         self.text = ""
         self.sent_content = ""
-        self.sent_calls = 0
+        self._at: int | None = None  # generic: where the response string's undecoded text starts
+        self._decoded = ""  # generic: the response string decoded so far
 
     def feed(self, piece: str) -> list[tuple[str, Any]]:
         """('content', str) and ('call', dict with index) deltas that `piece` makes sendable."""
@@ -452,8 +453,14 @@ class ToolStream:
         """The content that the text so far is sure to have."""
         t = self.text
         if self.plan.format == "generic":
-            m = _RESPONSE_START.match(t)
-            return _partial_string(t[m.end():]) if m else ""
+            if self._at is None:
+                m = _RESPONSE_START.match(t)
+                if m is None:
+                    return ""
+                self._at = m.end()
+            piece, self._at = _decode_from(t, self._at)  # only what came since the last piece
+            self._decoded += piece
+            return self._decoded
         if self.plan.format == "llama3":
             s = t.lstrip()
             if not s or s[0] == "{" or "<|python_tag|>".startswith(s[:14]) or s.startswith("<|python_tag|>"):
@@ -476,7 +483,12 @@ _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r"
 def _partial_string(s: str) -> str:
     """The decoded prefix of a JSON string's body (after its opening quote), up to its end or to what
     is not complete yet."""
-    out, i = [], 0
+    return _decode_from(s, 0)[0]
+
+
+def _decode_from(s: str, i: int) -> tuple[str, int]:
+    """`_partial_string` of `s[i:]`, and where it stopped (resumable: a stream decodes only what is new)."""
+    out = []
     while i < len(s):
         ch = s[i]
         if ch == '"':
@@ -489,24 +501,22 @@ def _partial_string(s: str) -> str:
             break
         e = s[i + 1]
         if e == "u":
-            hexes = s[i + 2:i + 6]
-            if len(hexes) < 4:
-                break
-            code = _hex4(hexes)
+            code = _hex4(s[i + 2:i + 6])
             if code is None:
                 break
+            width = 6
             if 0xD800 <= code < 0xDC00:  # a pair's first half: wait for the second
                 low = _hex4(s[i + 8:i + 12]) if s[i + 6:i + 8] == "\\u" else None
                 if low is None:
                     break
                 code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)
-                i += 6
+                width = 12
             out.append(chr(code))
-            i += 6
+            i += width
             continue
         out.append(_ESCAPES.get(e, e))
         i += 2
-    return "".join(out)
+    return "".join(out), i
 
 
 def _hex4(s: str) -> int | None:
