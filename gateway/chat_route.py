@@ -59,10 +59,7 @@ async def chat_completions(request, state):
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         check_n(chat.n, engine_sequences(loaded))
-        # tools (gateway/tool_calls.py): the template's messages and tools, and the grammar of a call
-        plan = tool_plan(chat.tools, chat.messages, loaded.model.chat_template, chat.response_schema)
-        messages, tools = (chat.messages, None) if plan is None else (plan.messages, plan.template_tools)
-        prompt = await asyncio.to_thread(loaded.model.prompt, messages, chat.add_generation_prompt, tools)
+        plan, prompt = await asyncio.to_thread(_prompt, loaded.model, chat)
         n_ctx = min(n_ctx, loaded.model.n_ctx)  # a derived model's num_ctx: its prompt must fit in that
         if len(prompt) >= n_ctx:
             raise exceed_context(len(prompt), n_ctx)
@@ -82,6 +79,15 @@ async def chat_completions(request, state):
                 return await _whole(loaded, requests, body, completion, answer, plan)
         finally:
             state.residency.touch(pin.name, FOREVER)  # spec §2: /v1 keeps its model forever
+
+
+def _prompt(model, chat) -> tuple[ToolPlan | None, list[int]]:
+    """The tools' plan (gateway/tool_calls.py: the template's messages and tools, the grammar of a call)
+    and the prompt's tokens; on a worker thread, as building a hundred tools' grammar takes a while."""
+    plan = tool_plan(chat.tools, chat.messages, model.chat_template, chat.response_schema)
+    if plan is None:
+        return None, model.prompt(chat.messages, chat.add_generation_prompt)
+    return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools)
 
 
 async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer,

@@ -92,11 +92,7 @@ async def apply_template(request, state):
     refuse_template_changes(req, messages)
     add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    plan = tool_plan(read_tools(req), messages, loaded.model.chat_template)  # the prompt a chat would get
-    if plan is not None:
-        messages = plan.messages
-    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt,
-                             plan.template_tools if plan is not None else None)
+    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
     return json_response(jstr.dumps({"prompt": prompt}))
 
 
@@ -108,13 +104,17 @@ async def count_tokens(request, state):
     refuse_template_changes(req, messages)
     add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
     loaded = await state.residency.current()
-    plan = tool_plan(read_tools(req), messages, loaded.model.chat_template)  # the prompt a chat would get
-    if plan is not None:
-        messages = plan.messages
-    prompt = await _off_loop(loaded.model.render, messages, add_generation_prompt,
-                             plan.template_tools if plan is not None else None)
+    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
     tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
     return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
+
+
+def _render(model, req: dict, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The prompt text a chat with this body would get: with its tools, as gateway/tool_calls.py plans them."""
+    plan = tool_plan(read_tools(req), messages, model.chat_template)
+    if plan is None:
+        return model.render(messages, add_generation_prompt)
+    return model.render(plan.messages, add_generation_prompt, plan.template_tools)
 
 
 def refuse_template_changes(req: dict, messages: list[dict]) -> None:

@@ -78,11 +78,7 @@ async def _answer(request, state, kind: str):
     try:
         async with residency.lease(req.pin) as held:
             residency.record_shown(name, req.tag, req.num_ctx or n_ctx, held.reloaded)
-            model = held.loaded.model
-            # tools (gateway/tool_calls.py): the template's messages and tools, the grammar of the format
-            plan = None if req.tools is None else \
-                tool_plan(req.tools, req.messages or [], model.chat_template, req.response_schema)
-            prompt = await asyncio.to_thread(_prompt, model, req, plan)
+            plan, prompt = await asyncio.to_thread(_prompt, held.loaded.model, req)
             engine_request = GenerateRequest(prompt, req.params, request_id=f"ollama-{uuid.uuid4().hex}")
             grammar = req.grammar if plan is None else plan.grammar
             await attach_constraints(held.loaded, [engine_request], grammar)  # a 400 before any model work
@@ -95,12 +91,17 @@ async def _answer(request, state, kind: str):
         residency.touch(name, req.keep_alive_s)  # after the answer, as Ollama's scheduler does
 
 
-def _prompt(model, req: OllamaRequest, plan: ToolPlan | None) -> list[int]:
+def _prompt(model, req: OllamaRequest) -> tuple[ToolPlan | None, list[int]]:
+    """The tools' plan (gateway/tool_calls.py: the template's messages and tools, the grammar of the
+    format), and the prompt's tokens."""
     if req.raw_prompt is not None:
-        return raw_prompt(model, req.raw_prompt, req.num_ctx)
-    if plan is not None:
-        return chat_prompt(model, plan.messages, req.num_ctx, plan.template_tools)
-    return chat_prompt(model, req.messages, req.num_ctx)
+        return None, raw_prompt(model, req.raw_prompt, req.num_ctx)
+    if req.tools is None:
+        return None, chat_prompt(model, req.messages, req.num_ctx)
+    plan = tool_plan(req.tools, req.messages, model.chat_template, req.response_schema)
+    if plan is None:
+        return None, chat_prompt(model, req.messages, req.num_ctx)
+    return plan, chat_prompt(model, plan.messages, req.num_ctx, plan.template_tools)
 
 
 async def _load_or_unload(state, req: OllamaRequest, t0_ns: int, n_ctx: int) -> HTTPResponse:
