@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported, RequestFailed
-from gateway.constraints import RawNumber, chat_grammar, read_logit_bias
+from gateway.constraints import RawNumber, chat_grammar, read_logit_bias, response_schema
 from gateway.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
 from gateway.request_fields import N_PROBS_MAX, read_fields
 from gateway.tool_calls import Tools, read_tools
@@ -326,29 +326,14 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
         model = None  # the route resolved it already (not a string: the startup model)
     grammar = chat_grammar(p, request)
     tools = read_tools(request)
-    response_schema = None
+    schema = None
     if tools is not None and tools.active:
-        response_schema, grammar = _response_schema(request), None  # the tools' plan makes the grammar
+        schema, grammar = response_schema(request), None  # the tools' plan makes the grammar
     p["logit_bias"] = read_logit_bias(p.get("logit_bias"))
     p["ignore_eos"] = bool(p.get("ignore_eos"))
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
                        bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar,
-                       tools, response_schema)
-
-
-def _response_schema(request: dict) -> Any:
-    """The schema an answer with tools responds in when it does not call (the generic format's
-    `response`): response_format's, else the body's `json_schema`; None for text."""
-    rf = request.get("response_format")
-    if isinstance(rf, dict):
-        if rf.get("type") == "json_object":
-            return rf["schema"] if isinstance(rf.get("schema"), dict) else {"type": "object"}
-        if rf.get("type") == "json_schema":
-            wrapper = rf.get("json_schema")
-            schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
-            return schema if isinstance(schema, dict) else {}
-    schema = request.get("json_schema")
-    return schema if isinstance(schema, dict) else None
+                       tools, schema)
 

@@ -97,10 +97,29 @@ def chat_grammar(p: dict, request: dict) -> str | None:
             schema = rf.get("schema")
             return schema_grammar(schema) if isinstance(schema, dict) else mc.json_object_grammar()
         if kind == "json_schema":
-            wrapper = rf.get("json_schema")
-            schema = wrapper.get("schema", {}) if isinstance(wrapper, dict) else {}
-            return schema_grammar(schema if isinstance(schema, dict) else {})
+            return schema_grammar(_json_schema_of(rf))
     return fields_grammar(p)
+
+
+def _json_schema_of(rf: dict) -> dict:
+    """response_format json_schema's `json_schema.schema`; absent (or not an object) is `{}`, any value."""
+    wrapper = rf.get("json_schema")
+    schema = wrapper.get("schema", {}) if isinstance(wrapper, dict) else {}
+    return schema if isinstance(schema, dict) else {}
+
+
+def response_schema(request: dict) -> Any:
+    """The schema an answer with tools responds in when it does not call (the generic format's
+    `response`, gateway/tool_calls.py), read as `chat_grammar` reads it: response_format's, else the
+    body's `json_schema`; None for text."""
+    rf = request.get("response_format")
+    if isinstance(rf, dict):
+        if rf.get("type") == "json_object":
+            return rf["schema"] if isinstance(rf.get("schema"), dict) else {"type": "object"}
+        if rf.get("type") == "json_schema":
+            return _json_schema_of(rf)
+    schema = request.get("json_schema")
+    return schema if isinstance(schema, dict) else None
 
 
 def ollama_format_grammar(fmt: Any) -> str | None:
