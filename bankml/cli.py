@@ -48,9 +48,10 @@ commands:
   bankml fork FILE [-o OUT]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
                [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
-               [--chat-template-file FILE]
+               [--chat-template-file FILE] [--receipt-key FILE]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
+  bankml receipt verify FILE [--key PUB]
   bankml gpu-check [--json]
   bankml create NAME -f Modelfile [--registry DIR]
 
@@ -157,6 +158,15 @@ def build_parser() -> _Parser:
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
                    help="the registry directory (bare or absent: $BANKML_FORKS, else ~/.local/share/bankml/forks)")
 
+    p = command("receipt", "check a receipt's signature")
+    actions = p.add_subparsers(dest="receipt_action", metavar="ACTION", required=True, parser_class=_Parser)
+    summary = "exit 0 when the key signed the receipt as it is, else 2 and why"
+    v = actions.add_parser("verify", help=summary, description=summary, epilog=EXIT_CODES, allow_abbrev=False)
+    v.add_argument("file", metavar="FILE",
+                   help="a receipt, or an answer with bankml_receipt at its top level (- for stdin)")
+    v.add_argument("--key", metavar="PUB", help="the public key PEM (GET /bankml/receipt-key's public_key); "
+                                                "default: the public half of the local serve's key")
+
     p = command("gpu-check", "check the Triton kernels (interpreted against their jnp twins, compiled for "
                              "sm_90/sm_80/gfx942) and the engine's GPU wiring; no GPU needed")
     p.epilog = "exit codes: 0 every check passed, 1 a check failed, 2 triton is not installed"
@@ -206,6 +216,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-file", metavar="FILE",
                    help="--native: this Jinja template replaces the startup model's GGUF chat template "
                         "([serve] chat_template_file); read once at start: a later change is not seen")
+    p.add_argument("--receipt-key", metavar="FILE",
+                   help="the ed25519 private key (PEM, mode 0600) receipts are signed with "
+                        "([serve] receipt_key; default: receipt-key.pem in $BANKML_CONFIG_DIR, "
+                        "$XDG_CONFIG_HOME/bankml or ~/.config/bankml, made at the first start)")
 
 
 def serve_options_of(args: argparse.Namespace) -> ServeOptions:
@@ -214,7 +228,8 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          ctx=args.ctx, keep_alive=args.keep_alive, native=args.native, spawn=args.spawn,
                          spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set,
                          registry=args.registry, api_keys=args.api_keys, api_key_file=args.api_key_file,
-                         allow_origin=args.allow_origin, chat_template_file=args.chat_template_file)
+                         allow_origin=args.allow_origin, chat_template_file=args.chat_template_file,
+                         receipt_key=args.receipt_key)
 
 
 # --- the model and its pin ---------------------------------------------------------------------
@@ -365,6 +380,25 @@ def cmd_create(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_receipt(args: argparse.Namespace) -> int:
+    """`bankml receipt verify FILE [--key PUB]`: "valid (key_id ...)" and 0, or "invalid: <why>" and 2."""
+    from bankml import signing
+    from bankml.errors import ReceiptInvalid
+
+    public = signing.read_public_key(args.key) if args.key else signing.local_key().public
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise Unreadable(f"cannot read {args.file}: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        key_id = signing.verify(signing.receipt_in(text), public)
+    except ReceiptInvalid as e:
+        print(f"invalid: {e}")
+        return exit_code(e)
+    print(f"valid (key_id {key_id})")
+    return EXIT_OK
+
+
 def cmd_gpu_check(args: argparse.Namespace) -> int:
     from bankml import gpu_check
 
@@ -380,6 +414,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "gpu-check": cmd_gpu_check,
     "create": cmd_create,
+    "receipt": cmd_receipt,
 }
 
 

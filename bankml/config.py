@@ -18,13 +18,17 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bankml import serve_files
 from bankml.errors import ConfigInvalid
 from bankml.serve_files import ChatTemplateFile
 
+if TYPE_CHECKING:
+    from bankml.signing import ReceiptKey
+
 RULE_SETS = ("mainline",)  # the guard's only rule set: the Bonsai/prism rules are out of scope
+CACHE_TYPES = ("f16", "q8_0")  # the KV cache's types (model/kvcache.py; this module never imports jax)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class ServeConfig:
     # browser origins admitted besides the server's own (scheme://host[:port]; --allow-origin O,...)
     allowed_origins: tuple[str, ...] = ()
     chat_template_file: str = ""  # --native: replaces the startup model's GGUF chat template (read once)
+    receipt_key: str = ""  # the ed25519 key receipts are signed with ("" = receipt-key.pem in the config dir)
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,7 @@ class ServeOptions:
     slot_dir: str | None
     rule_set: str
     config: Config
+    receipt_key: ReceiptKey  # signs every receipt (bankml/signing.py)
     registry_dir: str | None = None  # --native: the directory of *.FORK.json pins (None: the startup model only)
     max_loaded: int = 3  # models resident at once
     api_keys: tuple[str, ...] = ()  # none: no key is asked for
@@ -286,13 +292,17 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   native: bool = False, spawn: str | None = None, spec_ngram: bool = False,
                   slot_dir: str | None = None, rule_set: str | None = None,
                   registry: str | None = None, api_keys: list[str] | None = None, api_key_file: str | None = None,
-                  allow_origin: list[str] | None = None, chat_template_file: str | None = None) -> ServeOptions:
+                  allow_origin: list[str] | None = None, chat_template_file: str | None = None,
+                  receipt_key: str | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
-    this mode cannot honour, by name: P0's llama-server flags with --native, slot files with --native,
-    a registry without --native. `registry`: the --registry directory ("" for a bare flag: $BANKML_FORKS,
-    else ~/.local/share/bankml/forks); it must be a directory. The API keys (the flags' and the key
+    this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
+    --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
+    a bare flag: $BANKML_FORKS, else ~/.local/share/bankml/forks); it must be a directory. The API keys (the flags' and the key
     file's), the allowed origins (the flags' over the config's) and the chat template file are read and
-    checked here (bankml/serve_files.py)."""
+    checked here (bankml/serve_files.py), and the receipt key read, or made at the first start
+    (bankml/signing.py)."""
+    from bankml import signing  # cryptography: only serve needs it
+
     s = config.serve
     registry_dir = config.registry.dir if registry is None else registry or default_registry_dir()
     if registry_dir and not native:
@@ -332,9 +342,11 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         native=native,
         spawn=spawn,
         spec_ngram=spec_ngram or s.spec_ngram,
-        slot_dir=slot_dir or s.slot_dir or None,
+        slot_dir=chosen_slot_dir,
         rule_set=chosen_rule_set,
         config=config,
+        receipt_key=signing.server_key(s.receipt_key if receipt_key is None else receipt_key,
+                                       "--receipt-key" if receipt_key else "[serve] receipt_key"),
         registry_dir=registry_dir or None,
         max_loaded=config.registry.max_loaded,
         api_keys=tuple(dict.fromkeys(keys)),

@@ -136,6 +136,13 @@ class StartFailed(BankmlError):
     """`bankml serve` cannot start: an address in use, an engine that does not load or launch."""
 
 
+# --- a receipt, checked -----------------------------------------------------------------------------
+
+
+class ReceiptInvalid(BankmlError):
+    """`bankml receipt verify`: the receipt is not signed, or not by this key, or not as it is now."""
+
+
 @dataclass(frozen=True)
 class Codes:
     """What one error class becomes: its status per API, llama-server's error `type`, its exit code."""
@@ -172,6 +179,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     UsageError: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     ConfigInvalid: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
     StartFailed: Codes(500, 500, 500, "server_error", EXIT_REFUSED),
+    ReceiptInvalid: Codes(400, 400, 400, "invalid_request_error", EXIT_REFUSED),  # raised by the CLI only
 }
 
 

@@ -29,6 +29,7 @@ from sanic import Sanic
 from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
+from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
 from gateway import (
     bankml_routes,
@@ -60,6 +61,7 @@ Handler = Callable[[Any, "GatewayState"], Awaitable[Any]]
 
 ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/bankml"): bankml_routes.bankml,
+    ("GET", "/bankml/receipt-key"): bankml_routes.receipt_key,
     ("GET", "/bankml/usage"): monitor_routes.usage,
     ("GET", "/bankml/metrics"): monitor_routes.metrics,
     ("GET", "/bankml/status"): monitor_routes.status,
@@ -148,8 +150,10 @@ class GatewayState:
     registry: Registry  # every model served, and how a `model` name finds one
     residency: Residency  # which are resident; a route holds one with `async with residency.lease(pin)`
     compat_listen: str  # "host:port" of the second listener (/bankml's "upstream")
+    receipt_key: ReceiptKey  # signs every receipt
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
     access: Access = field(default_factory=Access)  # the origin and API key rules (the keys as digests only)
+    slot_dir: str | None = None  # --slot-dir: where POST /slots/{id} saves and restores (None: refused)
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
@@ -223,7 +227,8 @@ def native_monitoring(state: GatewayState) -> Monitoring:
 
 
 def _log_edge(options: ServeOptions) -> None:
-    """What the edge admits, said once at start (a key itself never: its count only)."""
+    """What the edge admits, said once at start (a key itself never: its count only), and what signs."""
+    log.info("receipts signed with %s (key_id %s)", options.receipt_key.path, options.receipt_key.key_id)
     if options.api_keys:
         log.info("API keys: %d; every route but /health, /v1/health and / needs one", len(options.api_keys))
     if options.allowed_origins:
@@ -297,7 +302,8 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
     compat_listen = _address(*sockets[1].getsockname()[:2])
-    state = GatewayState(registry, residency, compat_listen, access=Access.of(options.api_keys, options.allowed_origins))
+    state = GatewayState(registry, residency, compat_listen, options.receipt_key,
+                         access=Access.of(options.api_keys, options.allowed_origins), slot_dir=options.slot_dir)
     state.monitoring = native_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:

@@ -10,6 +10,9 @@ It answers from the most recent verification, so a client (sAGI's models.py read
 status page shows the same dict (`bankml_info`). "weights" is the engine's own report of its weights
 (layout, device bytes against the file's, which kernel runs each op: model/engine.py `weights_report`). /bankml/usage, /bankml/metrics, /bankml/status and
 /metrics are the monitor's (monitor_routes.py).
+
+`GET /bankml/receipt-key` (native and P0) is the public half of the key every receipt is signed with:
+`key_id`, `algorithm` ("ed25519"), `public_key` (PEM) and `public_key_raw` (base64 of its 32 bytes).
 """
 
 from __future__ import annotations
@@ -64,3 +67,7 @@ def _weights_report(state) -> dict[str, Any] | None:
 
 async def bankml(request, state):
     return json_response(jstr.dumps(bankml_info(state)))
+
+
+async def receipt_key(request, state):
+    return json_response(jstr.dumps(state.receipt_key.public_info()))

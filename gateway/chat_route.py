@@ -71,12 +71,14 @@ async def chat_completions(request, state):
                     for j in range(chat.n)]
         grammar = chat.grammar if plan is None else plan.grammar
         await attach_constraints(loaded, requests, grammar)  # a 400 before any model work
+        # each clock starts as its sequence is handed over
+        tallies = [Tally.start(body, state.receipt_key) for _ in requests]
         try:
             with state.monitoring.answer() as answer:
                 if chat.stream:
-                    return await _streamed(request, loaded, requests, body, completion, answer,
+                    return await _streamed(request, loaded, requests, tallies, completion, answer,
                                            chat.timings_per_token, plan)
-                return await _whole(loaded, requests, body, completion, answer, plan)
+                return await _whole(loaded, requests, tallies, completion, answer, plan)
         finally:
             state.residency.touch(pin.name, FOREVER)  # spec §2: /v1 keeps its model forever
 
@@ -90,9 +92,8 @@ def _prompt(model, chat) -> tuple[ToolPlan | None, list[int]]:
     return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools)
 
 
-async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completion: Completion, answer: Answer,
-                 plan: ToolPlan | None):
-    tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
+async def _whole(loaded, requests: list[GenerateRequest], tallies: list[Tally], completion: Completion,
+                 answer: Answer, plan: ToolPlan | None):
     done = await whole(loaded, requests, lambda out: logprob_entry(out.logprobs))
     for f in done:
         answer.record(metrics_model(loaded), f.last)
@@ -109,10 +110,9 @@ async def _whole(loaded, requests: list[GenerateRequest], body: bytes, completio
     return json_response(completion.body_of(choices, done[0].last, None))
 
 
-async def _streamed(request, loaded, requests: list[GenerateRequest], body: bytes, completion: Completion,
-                    answer: Answer, timed: bool, plan: ToolPlan | None):
+async def _streamed(request, loaded, requests: list[GenerateRequest], tallies: list[Tally],
+                    completion: Completion, answer: Answer, timed: bool, plan: ToolPlan | None):
     response = None
-    tallies = [Tally.start(body) for _ in requests]
     calls = [None if plan is None else ToolStream(plan) for _ in requests]  # deltas of content and calls
     sent_entries: list[list[dict]] = [[] for _ in requests]
     opened = [False] * len(requests)

@@ -222,7 +222,7 @@ async def _answer(request, state, doc: Any, oai: bool, pin):
             raise InvalidRequest("Input content cannot be empty")
         for tokens in token_lists:
             check_task(tokens, model.n_ctx, n_vocab)
-        tally = Tally.start(request.body)
+        tally = Tally.start(request.body, state.receipt_key)
         vectors = await embed_all(loaded, token_lists)
         text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)
         state.residency.touch(pin.name, FOREVER)  # spec §2: llama-server's routes keep their model forever
@@ -247,7 +247,7 @@ def _write(req: EmbeddingRequest, loaded, token_lists: list[list[int]], vectors:
         written = [jstr.jstr(base64_of(normalize(v, req.normalize))) if req.base64
                    else vector_json(normalize(v, req.normalize)) for v in vectors]
         tally.prompt_tokens = n_tokens
-        tally_receipt = _receipt(tally, loaded, written)
+        tally_receipt = tally.receipt_for(loaded, vectors_sha256(written))
         items = []
         for i, w in enumerate(written):
             extra = ', "encoding_format": "base64"' if req.base64 else ""
@@ -263,14 +263,8 @@ def _write(req: EmbeddingRequest, loaded, token_lists: list[list[int]], vectors:
             w = "[" + ",".join(vector_json(row) for row in v) + "]"
         else:
             w = "[" + vector_json(normalize(v, req.normalize)) + "]"
-        one = Tally(tally.request_sha256, tally.t0, prompt_tokens=len(tokens))
-        receipt = one.receipt_for(loaded)
-        receipt["response_sha256"] = hashlib.sha256(w.encode("utf-8")).hexdigest()
+        one = Tally(tally.request_sha256, tally.key, tally.t0, prompt_tokens=len(tokens))
+        receipt = one.receipt_for(loaded, hashlib.sha256(w.encode("utf-8")).hexdigest())
         out.append(f'{{"index": {i}, "embedding": {w}, "bankml_receipt": {jstr.dumps(receipt)}}}')
     return "[" + ", ".join(out) + "]"
 
-
-def _receipt(tally: Tally, loaded, written: list[str]) -> dict:
-    receipt = tally.receipt_for(loaded)
-    receipt["response_sha256"] = vectors_sha256(written)
-    return receipt

@@ -83,7 +83,7 @@ async def _answer(request, state, kind: str):
             grammar = req.grammar if plan is None else plan.grammar
             await attach_constraints(held.loaded, [engine_request], grammar)  # a 400 before any model work
             with state.monitoring.answer() as answer:
-                run = _Run(req, held, Tally.start(body), answer, t0_ns, plan)
+                run = _Run(req, held, Tally.start(body, state.receipt_key), answer, t0_ns, plan)
                 if req.stream:
                     return await run.streamed(request, engine_request)
                 return await run.whole(engine_request)

@@ -162,7 +162,7 @@ async def _answer(request, state, legacy: bool):
             pooling = await engine_call(loaded, lambda engine: engine.pooling)
             if pooling == POOLING_NONE:
                 raise InvalidRequest("this model does not pool its embeddings (pooling type none)")
-            tally = Tally.start(body)
+            tally = Tally.start(body, state.receipt_key)
             vectors = await embed_all(loaded, token_lists)
             n_tokens = sum(len(t) for t in token_lists)
             tally.prompt_tokens = n_tokens
@@ -192,6 +192,4 @@ def _write(req: _Request, legacy: bool, vectors: list[np.ndarray], n_tokens: int
 
 
 def _receipt(tally: Tally, loaded, written: str) -> dict:
-    receipt = tally.receipt_for(loaded)
-    receipt["response_sha256"] = hashlib.sha256(written.encode("utf-8")).hexdigest()
-    return receipt
+    return tally.receipt_for(loaded, hashlib.sha256(written.encode("utf-8")).hexdigest())

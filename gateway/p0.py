@@ -14,9 +14,10 @@ verify, identity again, the upstream address), as the Rust bankml's serve.rs sta
 9. hashed_at = now; the backend string names the llama-server build /props reports;
 10. only now bind --listen, then serve. Any refusal prints `bankml serve: refuse: <why>`, stops a
     spawned llama-server and returns 2, with no socket bound.
-Routes: /bankml (what was verified), the monitor's (monitor_routes.py, shared with --native: usage of
-this process and the engine, an empty ring of answers, Prometheus, the status page), llama-server's
-/health, /props and /v1/models passed through, and /v1/chat/completions with receipts (p0_chat.py).
+Routes: /bankml (what was verified), /bankml/receipt-key (what signs the receipts), the monitor's
+(monitor_routes.py, shared with --native: usage of this process and the engine, an empty ring of
+answers, Prometheus, the status page), llama-server's /health, /props and /v1/models passed through,
+and /v1/chat/completions with signed receipts (p0_chat.py).
 They match the exact request target (a `?query` is another path); every connection passes the
 loopback rules first (loopback.py, shared with --native unchanged).
 """
@@ -39,8 +40,9 @@ from sanic import HTTPResponse, Sanic
 from bankml import __version__, jstr
 from bankml.config import ServeOptions
 from bankml.errors import BankmlError, StartFailed, UpstreamFailed
+from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
-from gateway import monitor_routes
+from gateway import bankml_routes, monitor_routes
 from gateway.access import Access
 from gateway.errors import json_response
 from gateway.loopback import Limits, make_protocol
@@ -78,6 +80,7 @@ class P0State:
     backend: str  # the receipt's and /bankml's "engine": llama-server and its build
     hashed_at: int
     spawned: LlamaServer | None
+    receipt_key: ReceiptKey  # signs every receipt
     max_upstream_body_bytes: int = MAX_UPSTREAM_BODY_BYTES
     upstream: Upstream | None = None  # the pooled client, made in the serving loop
     monitoring: Monitoring | None = None
@@ -133,6 +136,7 @@ def _proxy(path: str) -> Callable[[Any, P0State], Awaitable[HTTPResponse]]:
 ROUTES: dict[tuple[str, str], Callable[[Any, P0State], Awaitable[HTTPResponse]]] = {
     **monitor_routes.ROUTES,  # /, /bankml/usage, /bankml/metrics, /bankml/status, /metrics
     ("GET", "/bankml"): bankml,
+    ("GET", "/bankml/receipt-key"): bankml_routes.receipt_key,
     ("GET", "/health"): _proxy("/health"),
     ("HEAD", "/health"): _proxy("/health"),  # llama-server's GET /health; Sanic sends no body for a HEAD
     ("GET", "/props"): _proxy("/props"),
@@ -140,8 +144,8 @@ ROUTES: dict[tuple[str, str], Callable[[Any, P0State], Awaitable[HTTPResponse]]]
     ("POST", "/v1/chat/completions"): chat_completions,
 }
 
-ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/usage /bankml/metrics /bankml/status /metrics /health /props "
-               "/v1/models, HEAD / /health, POST /v1/chat/completions")
+ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/receipt-key /bankml/usage /bankml/metrics /bankml/status "
+               "/metrics /health /props /v1/models, HEAD / /health, POST /v1/chat/completions")
 ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients that are not browsers
 
 
@@ -251,7 +255,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
         raise
     spawned = holder[0] if holder else None
     state = P0State(gated, options.upstream, up, backend_name(build_info), hashed_at, spawned,
-                    options.config.limits.max_upstream_body_bytes)
+                    options.receipt_key, options.config.limits.max_upstream_body_bytes)
     state.monitoring = p0_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     shutdown.add_listener(sock)
@@ -262,6 +266,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     if spawned is not None:
         _watch(spawned)
     listen = address(*sock.getsockname()[:2])
+    log.info("receipts signed with %s (key_id %s)", options.receipt_key.path, options.receipt_key.key_id)
     log.info("bankml serve %s: %s verified (sha256 %s), upstream %s serves it (%s); listening on http://%s",
              __version__, gated.path, gated.verified.model_sha256, up, state.backend, listen)
     try:

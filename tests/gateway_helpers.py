@@ -94,11 +94,12 @@ class FakeServer(_Server):
                  step_ms: float = 2, ctx: int = 4096, timeout_s: float = 60, replay: bool = False,
                  registry: Path | None = None, max_loaded: int | None = None, keep_alive: str | None = None,
                  load_s: dict[str, float] | None = None, model_bytes: dict[str, int] | None = None,
-                 budget_bytes: int | None = None, env: dict | None = None):
+                 budget_bytes: int | None = None, env: dict | None = None, flags: list[str] | None = None):
         """`engine`: keys of [engine] over the defaults; the fake engine serves one sequence at a time
         unless it names `max_seqs`. `registry`: a directory of pins (`registry_dir` writes one), each
         served by a fake engine of its own; `load_s` / `model_bytes`: per pin name, how long its load
-        takes and what it holds; `budget_bytes`: what all resident models may hold together."""
+        takes and what it holds; `budget_bytes`: what all resident models may hold together; `flags`:
+        more of `bankml serve`'s own."""
         engine = {"max_seqs": 1, **(engine or {})}
         cmd = [sys.executable, str(HERE / "gateway_fake_server.py"), str(model), "--fork", str(fork),
                "--listen", "127.0.0.1:0", "--upstream", "127.0.0.1:0", "--ctx", str(ctx),
@@ -108,7 +109,7 @@ class FakeServer(_Server):
                *(["--max-loaded", str(max_loaded)] if max_loaded is not None else []),
                *(["--keep-alive", keep_alive] if keep_alive is not None else []),
                "--load-s", json.dumps(load_s or {}), "--model-bytes", json.dumps(model_bytes or {}),
-               *(["--budget-bytes", str(budget_bytes)] if budget_bytes is not None else [])]
+               *(["--budget-bytes", str(budget_bytes)] if budget_bytes is not None else []), *(flags or [])]
         super().__init__(cmd, timeout_s, env)
 
 

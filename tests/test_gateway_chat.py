@@ -85,11 +85,12 @@ def test_openai_client_plain_and_streamed_agree_and_their_receipts_check_out(ser
 
     receipt = plain.model_extra["bankml_receipt"]
     assert list(receipt) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
-                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed", "key_id",
+                             "signature"]
     assert receipt["response_sha256"] == sha(text)
     assert receipt["request_sha256"] == sha(rec.bodies[-1])
     assert receipt["model_sha256"] == pinned_sha(pinned[1])
-    assert (receipt["guard"], receipt["signed"]) == ("play", False)
+    assert (receipt["guard"], receipt["signed"]) == ("play", True)
     assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (plain.usage.prompt_tokens, 9)
     assert isinstance(receipt["ttft_ms"], int) and 0 <= receipt["ttft_ms"] <= receipt["wall_ms"]
     timings = plain.model_extra["timings"]
@@ -131,7 +132,7 @@ def test_the_stream_on_the_wire(server):
     assert receipt["bankml_receipt"]["response_sha256"] == sha(sent)
     assert receipt["bankml_receipt"]["request_sha256"] == sha(body)
     # the Rust bankml's JSON style: ", " and ": " separators, non-ASCII written raw
-    assert '"delta": {"content": " Ça"}' in r.text and '"signed": false}' in r.text
+    assert '"delta": {"content": " Ça"}' in r.text and '"signed": true, "key_id": "' in r.text
 
 
 def test_the_engine_address_serves_chat_too(server):

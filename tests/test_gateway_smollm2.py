@@ -58,7 +58,7 @@ def test_openai_client_plain_and_streamed_give_the_same_text_with_checkable_rece
     assert receipt["response_sha256"] == sha(text)
     assert receipt["request_sha256"] == sha(bodies[-1])
     assert receipt["completion_tokens"] == plain.usage.completion_tokens <= 16
-    assert receipt["ttft_ms"] is not None and receipt["signed"] is False
+    assert receipt["ttft_ms"] is not None and receipt["signed"] is True
 
     pieces, streamed_receipt = [], None
     for chunk in client.chat.completions.create(model=model, messages=HELLO, temperature=0, max_tokens=16,

@@ -16,11 +16,13 @@ from types import SimpleNamespace
 import httpx
 import ollama
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fake_engine import REPLY, REPLY_PIECES
 from gateway_helpers import FakeServer, tiny_model
 
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
+from bankml.signing import ReceiptKey
 from gateway import ollama_chat
 from gateway.ollama_shapes import created_at, final_object, logprob_entry, piece_line
 from model.messages import FinishReason, LogprobEntry, StepOutput, Timeline, TopLogprob
@@ -233,7 +235,8 @@ def _state(outputs):
 
     loaded = SimpleNamespace(model=_Model(), client=_Client(outputs), file_name="SmolLM2.Q4_1.gguf",
                              backend="fake", verified=SimpleNamespace(model_sha256="ab" * 32))
-    return SimpleNamespace(registry=FakeRegistry(), residency=_Residency(loaded), monitoring=_Monitoring())
+    return SimpleNamespace(registry=FakeRegistry(), residency=_Residency(loaded), monitoring=_Monitoring(),
+                           receipt_key=ReceiptKey(Ed25519PrivateKey.generate(), ""))
 
 
 TL = Timeline(queued_s=1.0, started_s=1.0, first_token_s=1.1, first_text_s=1.1, ended_s=1.3)
@@ -419,7 +422,8 @@ def test_the_ndjson_stream_on_the_wire(server):
     assert receipt["response_sha256"] == hashlib.sha256(REPLY.encode()).hexdigest()
     assert receipt["request_sha256"] == hashlib.sha256(raw).hexdigest()
     assert list(receipt) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
-                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed", "key_id",
+                             "signature"]
 
 
 def test_generate_as_one_json_body(server):

@@ -265,12 +265,13 @@ def test_a_plain_answer_carries_the_receipt_inserted_into_the_upstream_json(spaw
     assert r.status_code == 200
     receipt = r.json()["bankml_receipt"]
     assert list(receipt) == ["bankml", "engine", "model_sha256", "guard", "prompt_tokens", "completion_tokens",
-                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed"]
+                             "ttft_ms", "wall_ms", "response_sha256", "request_sha256", "signed", "key_id",
+                             "signature"]
     assert receipt["model_sha256"] == sha(spawned.model.read_bytes())
     assert receipt["response_sha256"] == sha(REPLY)
     assert receipt["request_sha256"] == sha(body)
     assert (receipt["prompt_tokens"], receipt["completion_tokens"]) == (7, 2)
-    assert receipt["ttft_ms"] is None and receipt["signed"] is False
+    assert receipt["ttft_ms"] is None and receipt["signed"] is True
     assert receipt["engine"] == "llama.cpp b0-mock llama-server (loopback), behind bankml P0"
     assert last_upstream_body(spawned.up) == body  # forwarded byte for byte
     # the upstream's own bytes are untouched: the mock's compact JSON, then the receipt
