@@ -84,6 +84,9 @@ class EngineConfig:
     # of the device's memory after the weights on a GPU; it never grows
     kv_cache_bytes: int = 0
     page_size: int = 16  # tokens per KV page (a power of two)
+    # the KV cache's type: f16 (llama.cpp's default) or q8_0 (about half the bytes: twice the tokens in the
+    # same pool; needs head_dim % 32 == 0); $BANKML_CACHE_TYPE overrides it
+    cache_type: str = "f16"
     memory_fraction: float = 0.75  # share of device memory the server may take (the limiter)
     max_prefill_bucket: int = 512  # longest prefill chunk; prompts are padded to powers of two up to it
     # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off)
@@ -160,6 +163,11 @@ def _power_of_two(value: int, what: str) -> None:
         raise ConfigInvalid(f"{what} must be a power of two up to 1024, not {value!r}")
 
 
+def _cache_type(value: str, what: str) -> None:
+    if value not in CACHE_TYPES:
+        raise ConfigInvalid(f"{what} {value!r} is not a KV cache type bankML has (one of {', '.join(CACHE_TYPES)})")
+
+
 def _fraction(value: float, what: str) -> None:
     if not 0.0 < value <= 1.0:
         raise ConfigInvalid(f"{what} must be in (0, 1], not {value!r}")
@@ -180,6 +188,7 @@ _CHECKS = {
     "engine.max_waiting": _positive,
     "engine.kv_cache_bytes": _not_negative,
     "engine.page_size": _power_of_two,
+    "engine.cache_type": _cache_type,
     "engine.memory_fraction": _fraction,
     "engine.max_prefill_bucket": _positive,
     "registry.max_loaded": _positive,
@@ -248,11 +257,16 @@ def _over(base: Any, table: dict, source: str, where: str) -> Any:
 
 
 def load_config(preset: str | None = None) -> Config:
-    """The defaults, with `preset` (a name in configs/ or a path to a TOML file) over them."""
+    """The defaults, with `preset` (a name in configs/ or a path to a TOML file) over them, and the
+    environment over both: $BANKML_CACHE_TYPE sets [engine] cache_type."""
     config = Config()
     if preset and preset != "default":
         source, table = _read(preset)
         config = _over(config, table, source, "")
+    cache_type = os.environ.get("BANKML_CACHE_TYPE")
+    if cache_type:
+        _cache_type(cache_type, "BANKML_CACHE_TYPE")
+        config = replace(config, engine=replace(config.engine, cache_type=cache_type))
     return config
 
 

@@ -185,7 +185,7 @@ def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False
                                       prefill_chunk=engine.max_prefill_bucket,
                                       compile_cache_dir=compile_cache_path(engine.compile_cache_dir),
                                       kv_cache_bytes=engine.kv_cache_bytes, page_size=engine.page_size,
-                                      whole_contexts=whole_contexts)
+                                      whole_contexts=whole_contexts, cache_type=engine.cache_type)
         loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
         return loaded, backend
 
@@ -200,7 +200,8 @@ def native_estimate(n_ctx: int, engine: EngineConfig) -> Estimate:
         pool = engine.kv_cache_bytes
         if pool == 0:
             try:
-                pool = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=engine.max_seqs, page_size=engine.page_size)
+                pool = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=engine.max_seqs, page_size=engine.page_size,
+                                            cache_type=engine.cache_type)
             except Exception:  # the header says nothing usable: the load will say why; the file alone
                 pool = 0
         return os.path.getsize(path) + pool

@@ -7,8 +7,9 @@ model/forward.py calls these four for every layer when the weights are in device
   upcast to f32 inside the program and at HIGHEST precision (never TF32 on Hopper).
 - `take_rows(w, ids)`: the embedding lookup -- the rows' planes gathered, then dequantized (jnp everywhere:
   a gather is XLA's own job).
-- `decode_attention` / `prefill_attention`: paged attention over the KV pool, the Triton kernels
-  (kernels/triton/attention.py) or their jnp twins (kernels/paged_attention.py), one signature.
+- `decode_attention` / `prefill_attention`: paged attention over the KV pool (f16, or q8_0 with its
+  scales), the Triton kernels (kernels/triton/attention.py) or their jnp twins (kernels/paged_attention.py),
+  one signature.
 
 Which: on a CUDA or ROCm backend the Triton kernels, on the CPU the twins; an op or a weight type without a
 kernel runs its twin, says so once in the log and in `report()`. `use("triton")` forces the kernels anywhere
@@ -157,22 +158,27 @@ def take_rows(w, ids: jax.Array) -> jax.Array:
     return dequantize_planes(rows).reshape(*ids.shape, w.shape[1])
 
 
-def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int, scale: float):
-    """One new token per row: q [B, H, Dh] over the row's cached cells and its own k_new/v_new -> [B, H, Dh]."""
+def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int, scale: float,
+                     k_scale=None, v_scale=None):
+    """One new token per row: q [B, H, Dh] over the row's cached cells and its own k_new/v_new -> [B, H, Dh].
+    k_scale, v_scale: a q8_0 pool's block scales (kernels/kvquant.py), None for f16."""
     if _chosen("decode_attention") == "triton":
         from kernels.triton.attention import decode_attention as kernel
     else:
         from kernels.paged_attention import decode_attention as kernel
-    return kernel(q, k_new, v_new, k_pool, v_pool, layer, table, starts, window=window, scale=scale)
+    return kernel(q, k_new, v_new, k_pool, v_pool, layer, table, starts, window=window, scale=scale,
+                  k_scale=k_scale, v_scale=v_scale)
 
 
-def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int, scale: float):
+def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int, scale: float,
+                      k_scale=None, v_scale=None):
     """T new tokens per row (causal among themselves): q [B, T, H, Dh] -> [B, T, H, Dh]."""
     if _chosen("prefill_attention") == "triton":
         from kernels.triton.attention import prefill_attention as kernel
     else:
         from kernels.paged_attention import prefill_attention as kernel
-    return kernel(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, window=window, scale=scale)
+    return kernel(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, window=window, scale=scale,
+                  k_scale=k_scale, v_scale=v_scale)
 
 
 def report(types: Iterable[str] = ()) -> dict:

@@ -7,11 +7,12 @@ p - w < window (llama.cpp's is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked iff p
 it sees the new tokens causally under the same window. Cells at or past a row's start are never read,
 so the new tokens' K/V come as their own arrays (the device-layout forward has written them into the pool
 already, before each layer's attention; the stacked one writes after); they are read as the
-cache holds them, rounded to f16 (the forward has rounded them already, as llama.cpp's cache does), so
-the twins and the kernels agree whatever they are given.
+cache holds them, rounded to f16 or through q8_0 (the forward has rounded them already, as llama.cpp's
+cache does), so the twins and the kernels agree whatever they are given.
 
-The pool is `[L, n_pages, Hkv, P, Dh]` (model/kvcache.py); cell w of row b is slot w % P of page
-table[b, w // P]. The twins gather every page the table lists, so callers pass as many table columns
+The pool is `[L, n_pages, Hkv, P, Dh]` (model/kvcache.py), f16, or int8 quants with `k_scale`/`v_scale`
+[L, n_pages, Hkv, P, Dh // 32] f16 beside them for a q8_0 cache (dequantized as they are read, to f32:
+kernels/kvquant.py); cell w of row b is slot w % P of page table[b, w // P]. The twins gather every page the table lists, so callers pass as many table columns
 as the longest row needs (forward's `window_pages`). A stale cell's value is zeroed before the
 product, not only its score masked, so an inf or NaN left in a reused page never reaches the output
 as 0 * inf. GQA: query head h reads kv head h // G, G = H // Hkv.
@@ -25,19 +26,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels.kvquant import as_cached, dequantize_q8_0
+
 _HIGHEST = lax.Precision.HIGHEST  # f32 dots stay f32 on a GPU too (no TF32)
 
 
-def as_cached(a: jax.Array) -> jax.Array:
-    """New K or V as the f16 cache holds them, in f32."""
-    return a.astype(jnp.float16).astype(jnp.float32)
+def cache_type_of(k_scale: jax.Array | None) -> str:
+    return "f16" if k_scale is None else "q8_0"
 
 
-def _gather(pool: jax.Array, layer: jax.Array, table: jax.Array) -> jax.Array:
+def _gather(pool: jax.Array, scale: jax.Array | None, layer: jax.Array, table: jax.Array) -> jax.Array:
     """The cells the table lists, in sequence order: [B, Hkv, W, Dh] f32, W = max_pages * P."""
     pages = pool[layer][table]  # [B, Wp, Hkv, P, Dh]
+    pages = pages.astype(jnp.float32) if scale is None else dequantize_q8_0(pages, scale[layer][table])
     b, wp, hkv, p, dh = pages.shape
-    return jnp.moveaxis(pages, 2, 1).reshape(b, hkv, wp * p, dh).astype(jnp.float32)
+    return jnp.moveaxis(pages, 2, 1).reshape(b, hkv, wp * p, dh)
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -50,18 +53,19 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("window", "scale"))
 def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_new, *, window: int,
-                      scale: float) -> jax.Array:
+                      scale: float, k_scale=None, v_scale=None) -> jax.Array:
     """q [B, T, H, Dh] f32 (query t at position starts[b] + t); k_new, v_new [B, T, Hkv, Dh] f32;
-    k_pool, v_pool [L, n_pages, Hkv, P, Dh] f16; layer int32 []; table [B, max_pages] int32;
-    starts, n_new [B] int32; window: 0 or n_swa. Returns [B, T, H, Dh] f32, zero in the padding rows
-    t >= n_new[b]."""
+    k_pool, v_pool [L, n_pages, Hkv, P, Dh] f16, or int8 with k_scale, v_scale [L, n_pages, Hkv, P, Dh // 32]
+    f16 (q8_0); layer int32 []; table [B, max_pages] int32; starts, n_new [B] int32; window: 0 or n_swa.
+    Returns [B, T, H, Dh] f32, zero in the padding rows t >= n_new[b]."""
     b, t, h, dh = q.shape
     hkv = k_new.shape[2]
-    k_new, v_new = as_cached(k_new), as_cached(v_new)
+    cache_type = cache_type_of(k_scale)
+    k_new, v_new = as_cached(k_new, cache_type), as_cached(v_new, cache_type)
     qg = q.reshape(b, t, hkv, h // hkv, dh)  # [B, T, K, G, Dh]
     q_pos = starts[:, None] + jnp.arange(t)  # [B, T]
 
-    k_old, v_old = _gather(k_pool, layer, table), _gather(v_pool, layer, table)  # [B, K, W, Dh]
+    k_old, v_old = _gather(k_pool, k_scale, layer, table), _gather(v_pool, v_scale, layer, table)  # [B, K, W, Dh]
     w_pos = jnp.arange(k_old.shape[2])
     cached = w_pos[None, :] < starts[:, None]  # [B, W]: below the row's start, else stale
     old_ok = cached[:, None, :] & _visible(q_pos[:, :, None], w_pos[None, None, :], window)  # [B, T, W]
@@ -82,10 +86,10 @@ def prefill_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, n_n
 
 @partial(jax.jit, static_argnames=("window", "scale"))
 def decode_attention(q, k_new, v_new, k_pool, v_pool, layer, table, starts, *, window: int,
-                     scale: float) -> jax.Array:
+                     scale: float, k_scale=None, v_scale=None) -> jax.Array:
     """One new token per row, at position starts[b]: q [B, H, Dh] f32; k_new, v_new [B, Hkv, Dh] f32;
     the rest as in `prefill_attention`. Returns [B, H, Dh] f32."""
     n_new = jnp.ones_like(starts)
     out = prefill_attention(q[:, None], k_new[:, None], v_new[:, None], k_pool, v_pool, layer, table, starts,
-                            n_new, window=window, scale=scale)
+                            n_new, window=window, scale=scale, k_scale=k_scale, v_scale=v_scale)
     return out[:, 0]

@@ -58,9 +58,9 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-@partial(jax.jit, static_argnames=("config", "pooling", "kv_dtype"))
+@partial(jax.jit, static_argnames=("config", "pooling", "cache_type"))
 def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, config: Config, pooling: int,
-                  kv_dtype) -> jax.Array:
+                  cache_type: str) -> jax.Array:
     """tokens [B, T] (row b's first n_real[b] real, right-padded) -> pooled [B, D], or [B, T, D] for
     pooling none: the output norm's result (llama.cpp's t_embd), f32."""
     b, t = tokens.shape
@@ -77,11 +77,11 @@ def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, con
     if isinstance(weights.layers, tuple):  # device layout: one layer after another
         for il, lw in enumerate(weights.layers):
             swa = bool(config.swa_layers[il])
-            x, _, _ = _layer(x, lw, None, swa, attend_with(jnp.asarray(swa)), ropes, config, kv_dtype)
+            x, _, _ = _layer(x, lw, None, swa, attend_with(jnp.asarray(swa)), ropes, config, cache_type)
     else:
         def body(x, xs):
             layer_swa, il = xs
-            x, _, _ = _layer(x, weights.layers, il, layer_swa, attend_with(layer_swa), ropes, config, kv_dtype)
+            x, _, _ = _layer(x, weights.layers, il, layer_swa, attend_with(layer_swa), ropes, config, cache_type)
             return x, None
 
         x, _ = lax.scan(body, x, (jnp.asarray(config.swa_layers, dtype=bool), jnp.arange(config.n_layer)))
@@ -101,8 +101,8 @@ def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, con
 class Embedder:
     """The compiled embedding programs of one engine (its weights, config and KV type)."""
 
-    def __init__(self, config: Config, weights: Weights, kv_dtype, lowering: threading.Lock | None = None):
-        self.config, self.weights, self.kv_dtype = config, weights, kv_dtype
+    def __init__(self, config: Config, weights: Weights, cache_type: str, lowering: threading.Lock | None = None):
+        self.config, self.weights, self.cache_type = config, weights, cache_type
         self._compiled: dict[tuple[int, int, int], object] = {}
         # the engine's lock: one program is lowered at a time, beside the background compile (engine.py)
         self._lowering = lowering or threading.Lock()
@@ -129,7 +129,7 @@ class Embedder:
             specs = (jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
             with self._lowering:
                 lowered = embed_forward.lower(self.weights, *specs, config=self.config, pooling=pooling,
-                                              kv_dtype=self.kv_dtype)
+                                              cache_type=self.cache_type)
             program = lowered.compile()
             self._compiled[key] = program
             log.info("compiled the embedding program for %d x %d tokens (pooling %s) in %.2f s", b, t,

@@ -46,13 +46,14 @@ import numpy as np
 
 from bankml.errors import InvalidRequest
 from bankml.progress import stderr_progress
+from model import slots
 from model.completion import Completion
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
 from model.embed import Embedder
 from model.forward import forward
 from model.host_bias import host_bias
-from model.kvcache import KVPool, init_pool, page_bytes
+from model.kvcache import KVPool, cache_type_refusal, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.pages import PagePool
 from model.pooling import pooling_of, resolve_pooling
@@ -60,6 +61,8 @@ from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.scheduler import Sequence as SchedSequence
+from model.score import Scored, log_softmax, score
+from model.slot_file import SlotResult
 from model.steps import Sampled, put_row, run, select
 from model.steps import decode as decode_step
 from model.tokenizer_gguf import gguf_fields
@@ -106,7 +109,7 @@ class Engine:
 
     def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, max_seqs: int = 4,
                  prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None,
-                 lookahead: bool | None = None):
+                 lookahead: bool | None = None, cache_type: str = "f16"):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
         if max_seqs < 1:
@@ -116,6 +119,9 @@ class Engine:
                               f" got {prefill_chunk}")
         if page_size < 1 or page_size & (page_size - 1) or page_size > MIN_WINDOW:
             raise EngineError(f"the page size must be a power of two up to {MIN_WINDOW}, got {page_size}")
+        if why := cache_type_refusal(config, cache_type):
+            raise EngineError(why)
+        self.cache_type = cache_type  # the KV pool's: "f16" or "q8_0" (model/kvcache.py)
         self.prefill_chunk = prefill_chunk
         self.config = config
         self.weights = weights
@@ -133,7 +139,7 @@ class Engine:
         self.scheduler = Scheduler(weakref.proxy(self), PagePool(n_pages, page_size), max_seqs=max_seqs,
                                    n_ctx=n_ctx, prefill_budget=prefill_chunk,
                                    lookahead=jax.default_backend() != "cpu" if lookahead is None else lookahead)
-        self.pool: KVPool = init_pool(config, n_pages, page_size)
+        self.pool: KVPool = init_pool(config, n_pages, page_size, cache_type)
         # each slot's tokens, for the penalties; the last row takes the padding rows' writes
         self._history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
         self._compiled: dict[tuple, object] = {}
@@ -160,7 +166,7 @@ class Engine:
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
              kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None,
-             lookahead: bool | None = None) -> Engine:
+             lookahead: bool | None = None, cache_type: str = "f16") -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         layout: the weights' layout (model/weights.py): "packed" (the CPU default), "dense", or "device"
@@ -171,6 +177,8 @@ class Engine:
         compile_cache_dir: JAX's persistent compilation cache (process-wide), so a restart reloads the
         compiled programs instead of compiling them again (SmolLM2 on 2 CPUs: 18.5 s -> 3.7 s).
         kv_cache_bytes: the KV pool's size (0: `kv_pool_pages` decides); page_size: tokens per page.
+        cache_type: the KV cache's type, "f16" or "q8_0" (llama-server's --cache-type-k/v; about half
+        the bytes, so the same kv_cache_bytes holds about twice the tokens).
         lookahead: dispatch a decode step before reading the last one's tokens (model/scheduler.py);
         default: on a GPU backend.
         """
@@ -185,15 +193,17 @@ class Engine:
             from model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_gguf(path)
+        if why := cache_type_refusal(config, cache_type):
+            raise EngineError(why)
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
-                                kv_cache_bytes=kv_cache_bytes)
+                                kv_cache_bytes=kv_cache_bytes, cache_type=cache_type)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
-                     page_size=page_size, n_pages=n_pages, lookahead=lookahead)
+                     page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type)
         engine.file_bytes = file_tensor_bytes(path)
         engine.gguf_pooling = pooling_of(gguf_fields(path, (f"{config.arch}.pooling_type",)), config.arch)
-        log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB), %d sequences "
+        log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB, %s), %d sequences "
                  "at once", os.fspath(path), config.arch, config.n_layer, time.perf_counter() - t0, n_pages,
-                 page_size, n_pages * page_bytes(config, page_size) / 2**20, max_seqs)
+                 page_size, engine.pool.nbytes / 2**20, cache_type, max_seqs)
         _log_weights(engine.weights_report())
         if warmup:
             engine.warmup()
@@ -217,7 +227,7 @@ class Engine:
 
     def memory_bytes(self) -> int:
         """What the engine holds: its weights' device bytes and its KV pool's (/api/ps "size")."""
-        return int(device_bytes(self.weights)) + int(self.pool.k.nbytes) + int(self.pool.v.nbytes)
+        return int(device_bytes(self.weights)) + self.pool.nbytes
 
     # --- compiled programs ----------------------------------------------------------------------
 
@@ -438,7 +448,7 @@ class Engine:
         a pool or history the failed program consumed (donated) is made again."""
         dropped = self.scheduler.reset()
         if self.pool.k.is_deleted() or self.pool.v.is_deleted():
-            self.pool = init_pool(self.config, self.pool.n_pages, self.page_size)
+            self.pool = init_pool(self.config, self.pool.n_pages, self.page_size, self.cache_type)
         if self._history.is_deleted():
             self._history = jnp.zeros((self.max_seqs + 1, self.n_ctx), jnp.int32)
         return dropped
@@ -477,15 +487,20 @@ class Engine:
             table[i, :len(seq.pages)] = seq.pages
         return table
 
-    def prefill(self, seq: SchedSequence, n: int) -> jax.Array:
-        start = seq.n_computed
+    def prefill_shape(self, start: int, n: int) -> tuple[int, int]:
+        """The bucket (padded tokens) and the window (pages) of a chunk of `n` tokens from `start`."""
         if start == 0:
             t = min(self.prefill_chunk, _pow2_at_least(n, MIN_PREFILL_BUCKET))
         else:
             t = next(b for b in self._continue_buckets() if b >= n)
+        return t, self._window_pages(start, self._prefill_windows)
+
+    def prefill(self, seq: SchedSequence, n: int) -> jax.Array:
+        start = seq.n_computed
+        t, window = self.prefill_shape(start, n)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = seq.tokens[start:start + n]
-        program = self._program("prefill", t, self._window_pages(start, self._prefill_windows))
+        program = self._program("prefill", t, window)
         self.pool, logits = program(self.weights, self.pool, padded, self._table([seq], 1),
                                     np.array([start], np.int32), np.array([n], np.int32))
         return logits
@@ -577,8 +592,28 @@ class Engine:
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
         """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""
         if self._embedder is None:
-            self._embedder = Embedder(self.config, self.weights, self.pool.k.dtype, _LOWERING)
+            self._embedder = Embedder(self.config, self.weights, self.cache_type, _LOWERING)
         return self._embedder.embed(token_lists, self.pooling if pooling is None else pooling)
+
+    def prompt_logprobs(self, tokens: Sequence[int], n_probs: int = 0) -> list[Scored]:
+        """Teacher-forced: each token's logprob after the ones before it, and the top `n_probs` there
+        (model/score.py); OpenAI's echo with logprobs. On the engine thread, between iterations."""
+        return score(self, tokens, n_probs)
+
+    def prompt_log_softmax(self, tokens: Sequence[int]) -> np.ndarray:
+        """The same pass, every position's whole distribution [len(tokens) - 1, V] (bench/fidelity.py)."""
+        return log_softmax(self, tokens)
+
+    # --- slot files (model/slots.py) -----------------------------------------------------------------
+
+    def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
+        return slots.save(self, slot, path, model_sha256)
+
+    def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
+        return slots.restore(self, slot, path, model_sha256)
+
+    def erase_slot(self, slot: int) -> int:
+        return slots.erase(self, slot)
 
     # --- tests and tools ------------------------------------------------------------------------
 
@@ -589,7 +624,7 @@ class Engine:
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = tokens
         n_pages = -(-t // self.page_size)
-        scratch = init_pool(self.config, n_pages, self.page_size)
+        scratch = init_pool(self.config, n_pages, self.page_size, self.cache_type)
         logits, _ = forward(self.weights, scratch, padded, np.arange(n_pages, dtype=np.int32)[None],
                             np.zeros(1, np.int32), np.array([n], np.int32), config=self.config, window_pages=0,
                             all_logits=True)
@@ -615,11 +650,12 @@ def _wants_dry(p: SamplingParams) -> bool:
     return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
 
 
-def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0) -> int:
+def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0,
+                  cache_type: str = "f16") -> int:
     """The KV pool's pages. kv_cache_bytes > 0: as many as fit in it. 0: on a GPU, 80% of what the
     device's allocator has left after the weights (its limit is memory_fraction of the device); on a
     CPU (no allocator to ask), `max_seqs` whole contexts. Never fewer than one whole context."""
-    per_page = page_bytes(config, page_size)
+    per_page = page_bytes(config, page_size, cache_type)
     one_context = -(-n_ctx // page_size)
     if kv_cache_bytes > 0:
         n = kv_cache_bytes // per_page

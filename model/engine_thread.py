@@ -440,19 +440,21 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = 16) -> int:
-    """The KV pool of `max_seqs` whole contexts for the model at `path` (f16 K and V of every layer), from
-    its header as the guard reads it: the pool each engine gets when several models share the device."""
+def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = 16, cache_type: str = "f16") -> int:
+    """The KV pool of `max_seqs` whole contexts for the model at `path` (K and V of every layer, in
+    `cache_type`), from its header as the guard reads it: the pool each engine gets when several models
+    share the device."""
     from bankml.guard import guard_file
     from model.config import Config
     from model.kvcache import page_bytes
 
-    per_page = page_bytes(Config.from_gguf(guard_file(path).metadata), page_size)
+    per_page = page_bytes(Config.from_gguf(guard_file(path).metadata), page_size, cache_type)
     return max_seqs * -(-n_ctx // page_size) * per_page
 
 
 def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
-                kv_cache_bytes: int = 0, page_size: int = 16, whole_contexts: bool = False) -> tuple[Any, str]:
+                kv_cache_bytes: int = 0, page_size: int = 16, whole_contexts: bool = False,
+                cache_type: str = "f16") -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine".
     whole_contexts (with kv_cache_bytes 0): a pool of max_seqs whole contexts, not most of the device."""
@@ -461,9 +463,10 @@ def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, com
     from model.engine import Engine
 
     if whole_contexts and kv_cache_bytes == 0:
-        kv_cache_bytes = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size)
+        kv_cache_bytes = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
+                                              cache_type=cache_type)
 
     engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
-                         kv_cache_bytes=kv_cache_bytes, page_size=page_size)
+                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type)
     return engine, f"JAX {jax.__version__} on {jax.default_backend()}"

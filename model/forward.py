@@ -18,7 +18,7 @@ Dense f32 dots are at HIGHEST precision, so XLA:GPU never runs them as TF32.
 
 The float rules follow llama.cpp's graphs (src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp) in
 f32 with exactly dequantized weights, and K, V (and Q) pass through the cache's type (f16 by default,
-as llama.cpp's) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
+as llama.cpp's, or q8_0 blocks: model/kvcache.py) before attention; we are not bit-identical to llama.cpp (README, "How close to llama.cpp";
 tests/test_golden.py, bench/rounding.py).
 """
 
@@ -32,7 +32,7 @@ from jax import lax
 
 from kernels import ops
 from model.config import Config
-from model.kvcache import KVPool
+from model.kvcache import KVPool, as_cached, read_cells, rotate, rotation, write_cells
 from model.packed import Packed, take_rows
 from model.packed import linear as packed_linear
 from model.rope import apply_rope, rope_tables
@@ -111,14 +111,17 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
     return out.reshape(b, t, config.n_head * dh)
 
 
-def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, kv_dtype):
+def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, cache_type: str):
     """One block; returns (x_out, k_new, v_new). x [B, T, D].
 
     Stacked weights (`il` a traced layer index): matrices stay stacked and are indexed inside their
     matmul (see packed.linear); vectors are indexed here. Device layout (`il` None): `lw` is the one
     layer, its matmuls go through kernels.ops. `attend(q, k, v) -> [B, T, H*Dh]` is the attention.
-    Attention sees the new K and V as the cache stores them (kv_dtype), and Q rounded to the same type,
-    as llama.cpp's flash attention converts Q to the K cache's type.
+    Attention sees the new K and V as the cache stores them (`cache_type`, kernels/kvquant.py), and Q
+    rounded to the same type, as llama.cpp's flash attention converts Q to the K cache's type (f16, or
+    q8_0 blocks: K's vec_dot_type). Before a q8_0 cache, Q, K and V are Hadamard-rotated and the
+    attention output rotated back, as llama.cpp's build_attn does (kernels/kvquant.py `rotation`): the
+    cache holds rotated K and V.
     """
     b, t, _ = x.shape
     dh, eps = config.head_dim, config.norm_eps
@@ -145,9 +148,15 @@ def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, kv_dtype):
         cos, sin = jnp.where(is_swa, cos_l, cos_g), jnp.where(is_swa, sin_l, sin_g)
     q = apply_rope(q, cos, sin, config.rope_neox)
     k = apply_rope(k, cos, sin, config.rope_neox)
-    q, k, v = (a.astype(kv_dtype).astype(jnp.float32) for a in (q, k, v))
+    rot = rotation(dh, cache_type)
+    if rot:
+        q, k, v = rotate(q, rot[0]), rotate(k, rot[0]), rotate(v, rot[1])
+    q, k, v = (as_cached(a, cache_type) for a in (q, k, v))
 
-    out = lin(attend(q, k, v), lw.attn_output, lw.attn_output_bias)
+    attended = attend(q, k, v)  # [B, T, H*Dh]
+    if rot:
+        attended = rotate(attended, rot[1])  # blocks of 64 never cross a head (Dh % 64 == 0)
+    out = lin(attended, lw.attn_output, lw.attn_output_bias)
     if config.post_norms:
         out = rms_norm(out, vec(lw.post_attention_norm), eps)
     x = x + out
@@ -213,13 +222,13 @@ def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, co
         layer_swa, il = xs
         k_old = v_old = None
         if window_pages:  # one gather per layer: the row's pages, in order
-            k_old = pool.k[il, window].astype(jnp.float32)  # [B, Wp, Hkv, P, Dh]
-            v_old = jnp.where(stale, 0.0, pool.v[il, window].astype(jnp.float32))
+            k_old, v_old = read_cells(pool, (il, window))  # [B, Wp, Hkv, P, Dh] f32
+            v_old = jnp.where(stale, 0.0, v_old)
 
         def attend(q, k, v):
             return _attention(q, k, v, k_old, v_old, starts, positions, layer_swa, config)
 
-        x, k, v = _layer(x, layers, il, layer_swa, attend, ropes, config, pool.k.dtype)
+        x, k, v = _layer(x, layers, il, layer_swa, attend, ropes, config, pool.cache_type)
         return x, (k, v)
 
     # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)
@@ -251,15 +260,16 @@ def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, positio
 
         def attend(q, k, v, il=il, layer=layer, kw=kw):
             nonlocal pool
-            pool = KVPool(pool.k.at[il, pages, :, cells].set(k.astype(pool.k.dtype), mode="drop"),
-                          pool.v.at[il, pages, :, cells].set(v.astype(pool.v.dtype), mode="drop"))
+            pool = write_cells(pool, (il, pages, slice(None), cells), k, v)
+            scales = dict(k_scale=pool.k_scale, v_scale=pool.v_scale)
             if t == 1:
-                out = ops.decode_attention(q[:, 0], k[:, 0], v[:, 0], pool.k, pool.v, layer, window, starts, **kw)
+                out = ops.decode_attention(q[:, 0], k[:, 0], v[:, 0], pool.k, pool.v, layer, window, starts, **kw,
+                                           **scales)
             else:
-                out = ops.prefill_attention(q, k, v, pool.k, pool.v, layer, window, starts, n_new, **kw)
+                out = ops.prefill_attention(q, k, v, pool.k, pool.v, layer, window, starts, n_new, **kw, **scales)
             return out.reshape(b, t, config.n_head * config.head_dim)
 
-        x, _, _ = _layer(x, lw, None, swa, attend, ropes, config, pool.k.dtype)
+        x, _, _ = _layer(x, lw, None, swa, attend, ropes, config, pool.cache_type)
     return x, pool
 
 
@@ -279,6 +289,5 @@ def _write(pool: KVPool, k_new, v_new, table, positions, n_new) -> KVPool:
     """One scatter for all layers (`_cells` says where)."""
     pages, cells = _cells(pool, table, positions, n_new)
     # advanced indices around a slice put their dims first: the target is [B, T, L, Hkv, Dh]
-    k_all = pool.k.at[:, pages, :, cells].set(jnp.moveaxis(k_new, 0, 2).astype(pool.k.dtype), mode="drop")
-    v_all = pool.v.at[:, pages, :, cells].set(jnp.moveaxis(v_new, 0, 2).astype(pool.v.dtype), mode="drop")
-    return KVPool(k_all, v_all)
+    return write_cells(pool, (slice(None), pages, slice(None), cells), jnp.moveaxis(k_new, 0, 2),
+                       jnp.moveaxis(v_new, 0, 2))

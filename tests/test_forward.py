@@ -60,9 +60,9 @@ def _tokens(n: int, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
 
 
-def _full_logits(config, weights, tokens, kv_dtype=jnp.float32) -> np.ndarray:
+def _full_logits(config, weights, tokens, cache_type="f32") -> np.ndarray:
     n_pages = -(-len(tokens) // 16)
-    pool = init_pool(config, n_pages, 16, kv_dtype)
+    pool = init_pool(config, n_pages, 16, cache_type)
     logits, _ = forward(weights, pool, jnp.asarray(tokens)[None], np.arange(n_pages, dtype=np.int32)[None],
                         jnp.zeros(1, jnp.int32), jnp.array([len(tokens)], jnp.int32), config=config,
                         window_pages=0, all_logits=True)
@@ -153,7 +153,7 @@ def test_the_f16_cache_attends_as_llama_cpp_does(tiny):
     _, path, config, weights = tiny
     tokens = _tokens(12)
     assert init_pool(config, 1, 4).k.dtype == jnp.float16
-    ours = _full_logits(config, weights, tokens, jnp.float16)
+    ours = _full_logits(config, weights, tokens, "f16")
     _close(ours, _reference_logits(path, config, tokens, kv_f16=True), rtol=4e-4)
     assert not np.array_equal(ours, _full_logits(config, weights, tokens))
 
@@ -174,7 +174,7 @@ def test_cache_decode_matches_full_forward(tiny_cache):
     _, _, config, weights = tiny_cache
     tokens = _tokens(16, seed=2)
     full = _full_logits(config, weights, tokens)
-    pool = init_pool(config, 8, 4, jnp.float32)
+    pool = init_pool(config, 8, 4, "f32")
     table = [5, 2, 7, 0]  # positions 0-3 in page 5, 4-7 in page 2, ...
     logits, pool = _run(weights, pool, config, [tokens[:5]], [table], [0], [5], 0)
     got = [np.asarray(logits[0])]
@@ -194,8 +194,8 @@ def test_stale_cells_past_a_rows_start_never_reach_its_answer(tiny_cache):
     _, _, config, weights = tiny_cache
     tokens = _tokens(7, seed=4)
     full = _full_logits(config, weights, tokens)
-    clean = init_pool(config, 4, 4, jnp.float32)
-    poisoned = init_pool(config, 4, 4, jnp.float32)
+    clean = init_pool(config, 4, 4, "f32")
+    poisoned = init_pool(config, 4, 4, "f32")
     poisoned = type(poisoned)(poisoned.k.at[:, :, :, 1::2].set(jnp.nan).at[:, :, :, ::2].set(jnp.inf),
                               poisoned.v.at[:, :, :, 1::2].set(jnp.nan).at[:, :, :, ::2].set(jnp.inf))
     for pool in (clean, poisoned):
@@ -210,7 +210,7 @@ def test_chunked_prefill_matches_full_forward(tiny_cache):
     _, _, config, weights = tiny_cache
     tokens = _tokens(20, seed=3)
     full = _full_logits(config, weights, tokens)
-    pool = init_pool(config, 8, 4, jnp.float32)
+    pool = init_pool(config, 8, 4, "f32")
     table = [6, 0, 3, 5, 1, 2, 4, 7]
     first = np.zeros(16, np.int32)
     first[:9] = tokens[:9]
@@ -231,7 +231,7 @@ def test_a_shared_prefix_page_is_read_by_another_sequence(models):
     _, _, config, weights = models["gemma3"]
     a, b = _tokens(10, seed=7), _tokens(14, seed=7)
     b[8:] = _tokens(6, seed=8)  # the same first 8 tokens (two pages of 4)
-    pool = init_pool(config, 8, 4, jnp.float32)
+    pool = init_pool(config, 8, 4, "f32")
     _, pool = _run(weights, pool, config, [a], [[1, 4, 6, 0]], [0], [10], 0)
     shared = np.asarray(pool.k)[:, [1, 4]].copy()
     logits, pool = _run(weights, pool, config, [b[8:]], [[1, 4, 2, 5]], [8], [6], 2, all_logits=True)
@@ -244,7 +244,7 @@ def test_batch_rows_are_independent(tiny_cache):
     _, _, config, weights = tiny_cache
     seqs = [_tokens(7, seed=4), _tokens(13, seed=5)]
     alone = [_full_logits(config, weights, s) for s in seqs]
-    pool = init_pool(config, 8, 4, jnp.float32)
+    pool = init_pool(config, 8, 4, "f32")
     tables = [[3, 0, 0, 0], [1, 7, 2, 5]]
     for table, s in zip(tables, seqs, strict=True):  # prefill all but the last 3 tokens of each
         padded = np.zeros(16, np.int32)

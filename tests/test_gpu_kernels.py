@@ -41,6 +41,7 @@ import kernels.paged_attention as twin  # noqa: E402
 import kernels.qlayout as qlayout  # noqa: E402
 import kernels.triton.attention as kern  # noqa: E402
 import kernels.triton.qmatmul as qmm  # noqa: E402
+from kernels.kvquant import quantize_q8_0  # noqa: E402
 
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 ON_CPU_TOO = os.environ.get("BANKML_GPU_TESTS_ON_CPU") == "1"
@@ -117,9 +118,10 @@ def test_qmatmul_matches_its_twin(request, type_name, m):
 ATTN_SHAPES = [(9, 3, 64), (32, 8, 128), (4, 1, 256)] if ON_GPU else [(9, 3, 64), (4, 1, 256)]
 
 
-def _attention_inputs(h: int, hkv: int, dh: int, t: int | None):
+def _attention_inputs(h: int, hkv: int, dh: int, t: int | None, cache_type: str = "f16"):
     """A pool of 2 layers with pages in shuffled order, rows of different lengths (one with no cached
-    cells), NaN in the cells past each row's start (they must never count)."""
+    cells), NaN in the cells past each row's start (they must never count). Returns (args, scales, scale):
+    scales are a q8_0 pool's k_scale and v_scale (its blocks' d), empty for f16."""
     rng = np.random.default_rng(h * 1000 + dh)
     page, max_pages = 16, (16 if ON_GPU else 4)
     b = 4
@@ -137,38 +139,43 @@ def _attention_inputs(h: int, hkv: int, dh: int, t: int | None):
     q = rng.standard_normal(shape_q).astype(np.float32)
     k_new = rng.standard_normal(shape_kv).astype(np.float32)
     v_new = rng.standard_normal(shape_kv).astype(np.float32)
-    arrays = (q, k_new, v_new, k_pool, v_pool, np.int32(1), table, starts)
-    return tuple(jnp.asarray(a) for a in arrays), 1.0 / np.sqrt(dh)
+    arrays = [jnp.asarray(a) for a in (q, k_new, v_new, k_pool, v_pool, np.int32(1), table, starts)]
+    scales = {}
+    if cache_type == "q8_0":  # a stale cell's NaN makes its blocks' d NaN
+        (arrays[3], scales["k_scale"]), (arrays[4], scales["v_scale"]) = quantize_q8_0(arrays[3]), quantize_q8_0(arrays[4])
+    return tuple(arrays), scales, 1.0 / np.sqrt(dh)
 
 
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize(("h", "hkv", "dh"), ATTN_SHAPES)
-def test_decode_attention_matches_its_twin(request, h, hkv, dh, window):
+def test_decode_attention_matches_its_twin(request, h, hkv, dh, window, cache_type):
     compiled_triton()
-    args, scale = _attention_inputs(h, hkv, dh, None)
+    args, scales, scale = _attention_inputs(h, hkv, dh, None, cache_type)
     got = jax.block_until_ready(jax.jit(kern.decode_attention, static_argnames=("window", "scale"))(
-        *args, window=window, scale=scale))
-    want = twin.decode_attention(*args, window=window, scale=scale)
+        *args, window=window, scale=scale, **scales))
+    want = twin.decode_attention(*args, window=window, scale=scale, **scales)
     err = rel_err(got, want)
-    record(request, shape=f"B=4 H={h} Hkv={hkv} Dh={dh} window={window}", max_rel_err=err)
+    record(request, shape=f"B=4 H={h} Hkv={hkv} Dh={dh} window={window} {cache_type}", max_rel_err=err)
     assert np.isfinite(np.asarray(got)).all()
     assert err <= KERNEL_TOL, f"decode H={h} Hkv={hkv} Dh={dh} window={window}: {err:.2e} > {KERNEL_TOL}"
 
 
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize(("h", "hkv", "dh"), ATTN_SHAPES)
-def test_prefill_attention_matches_its_twin(request, h, hkv, dh, window):
+def test_prefill_attention_matches_its_twin(request, h, hkv, dh, window, cache_type):
     compiled_triton()
     t = 32 if ON_GPU else 16
-    args, scale = _attention_inputs(h, hkv, dh, t)
+    args, scales, scale = _attention_inputs(h, hkv, dh, t, cache_type)
     n_new = jnp.asarray(np.array([t, t // 2 + 1, 1, 0], np.int32))  # the last row is all padding
     got = jax.block_until_ready(jax.jit(kern.prefill_attention, static_argnames=("window", "scale"))(
-        *args, n_new, window=window, scale=scale))
-    want = twin.prefill_attention(*args, n_new, window=window, scale=scale)
+        *args, n_new, window=window, scale=scale, **scales))
+    want = twin.prefill_attention(*args, n_new, window=window, scale=scale, **scales)
     valid = np.arange(t)[None, :] < np.asarray(n_new)[:, None]  # [B, T]: padding rows may hold anything finite
     got_v, want_v = np.asarray(got)[valid], np.asarray(want)[valid]
     err = rel_err(got_v, want_v)
-    record(request, shape=f"B=4 T={t} H={h} Hkv={hkv} Dh={dh} window={window}", max_rel_err=err)
+    record(request, shape=f"B=4 T={t} H={h} Hkv={hkv} Dh={dh} window={window} {cache_type}", max_rel_err=err)
     assert np.isfinite(np.asarray(got)).all()
     assert err <= KERNEL_TOL, f"prefill H={h} Hkv={hkv} Dh={dh} window={window}: {err:.2e} > {KERNEL_TOL}"
 

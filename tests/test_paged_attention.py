@@ -3,6 +3,8 @@ the Triton kernels under Triton's interpreter against the twins (plus an AOT com
 
 Shapes are the shipped models' head layouts at toy lengths: gemma3 is 4 query heads on 1 kv head with
 Dh 256 and a sliding window, SmolLM2 9 on 3 with Dh 64. Every row's pages are shuffled through the pool.
+A q8_0 pool (int8 quants and their blocks' f16 scales, kernels/kvquant.py) runs the same checks against
+the dense softmax over its dequantized cells.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from kernels import paged_attention as twin
+from kernels.kvquant import as_cached, dequantize_q8_0
 from kernels.triton import attention as tk
 from model import forward as fwd
 from model.config import Config
@@ -30,14 +33,27 @@ SMOLLM2 = dict(group=3, kv_heads=3, head_dim=64)
 P = 16
 
 
-def _inputs(shape: dict, starts, t: int, seed: int = 0, max_pages: int = 8, n_pages: int = 12):
-    x = tk.check_inputs(seed, batch=len(starts), t=t, page=P, n_pages=n_pages, max_pages=max_pages, **shape)
+def _inputs(shape: dict, starts, t: int, seed: int = 0, max_pages: int = 8, n_pages: int = 12,
+            cache_type: str = "f16"):
+    x = tk.check_inputs(seed, batch=len(starts), t=t, page=P, n_pages=n_pages, max_pages=max_pages,
+                        cache_type=cache_type, **shape)
     x["starts"] = jnp.asarray(starts, jnp.int32)
     return x
 
 
 def _pool_args(x: dict):
     return x["k_pool"], x["v_pool"], x["layer"], x["table"], x["starts"]
+
+
+def _scales(x: dict) -> dict:
+    return dict(k_scale=x["k_scale"], v_scale=x["v_scale"])
+
+
+def _dequantized(x: dict) -> dict:
+    """A q8_0 input as the dense reference reads it: its pools dequantized, its new K/V rounded through
+    q8_0 as the forward rounds them before attention."""
+    return dict(x, k_pool=dequantize_q8_0(x["k_pool"], x["k_scale"]), v_pool=dequantize_q8_0(x["v_pool"], x["v_scale"]),
+                k_new=as_cached(x["k_new"], "q8_0"), v_new=as_cached(x["v_new"], "q8_0"), k_scale=None, v_scale=None)
 
 
 def _dense(x: dict, n_new, window: int, scale: float) -> np.ndarray:
@@ -130,6 +146,25 @@ def test_the_window_changes_the_answer():
     assert np.max(np.abs(np.asarray(windowed - twin.decode_attention(*args, window=0, scale=0.0625)))) > 1e-3
 
 
+@pytest.mark.parametrize("shape,window", [(GEMMA3, 24), (SMOLLM2, 0)])
+def test_q8_0_twins_match_dense_softmax_over_the_dequantized_cells(shape, window):
+    x = _inputs(shape, starts=[37, 0, 100], t=6, cache_type="q8_0")
+    assert x["k_pool"].dtype == jnp.int8
+    dense_x = _dequantized(x)
+    n_new = jnp.array([6, 4, 6], jnp.int32)
+    scale = 1.0 / math.sqrt(shape["head_dim"])
+    got = twin.prefill_attention(x["q"], x["k_new"], x["v_new"], *_pool_args(x), n_new, window=window, scale=scale,
+                                 **_scales(x))
+    _close(got, _dense(dense_x, n_new, window, scale))
+    one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
+    got = twin.decode_attention(*one, *_pool_args(x), window=window, scale=scale, **_scales(x))
+    _close(got, _dense(dense_x, [1, 1, 1], window, scale)[:, 0])
+    # and the scales matter: the same quants read as f16 values are far off
+    off = twin.decode_attention(*one, x["k_pool"].astype(jnp.float16), x["v_pool"].astype(jnp.float16),
+                                *_pool_args(x)[2:], window=window, scale=scale)
+    assert np.max(np.abs(np.asarray(off - got))) > 0.1
+
+
 def _poison_stale(x: dict, value: float) -> dict:
     """Every cell at or past its row's start, in every layer, holds `value` (a reused page's leftovers)."""
     k, v = np.array(x["k_pool"]), np.array(x["v_pool"])
@@ -144,23 +179,30 @@ def _poison_stale(x: dict, value: float) -> dict:
     return dict(x, k_pool=jnp.asarray(k), v_pool=jnp.asarray(v))
 
 
+def _poison_stale_scales(x: dict, value: float) -> dict:
+    """A q8_0 pool's stale cells: their blocks' scales hold `value` (what a NaN or inf K/V quantizes to)."""
+    poisoned = _poison_stale(dict(x, k_pool=x["k_scale"], v_pool=x["v_scale"]), value)
+    return dict(x, k_scale=poisoned["k_pool"], v_scale=poisoned["v_pool"])
+
+
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_stale_cells_past_a_rows_start_never_reach_the_output(value):
+def test_stale_cells_past_a_rows_start_never_reach_the_output(value, cache_type):
     # the rows share no page; page 0, where a kernel's masked-off table lookups point, is row 1's last: stale
-    x = _inputs(GEMMA3, starts=[37, 20], t=4, n_pages=16)
+    x = _inputs(GEMMA3, starts=[37, 20], t=4, n_pages=16, cache_type=cache_type)
     x["table"] = jnp.arange(15, -1, -1, dtype=jnp.int32).reshape(2, 8)
-    bad = _poison_stale(x, value)
+    bad = _poison_stale(x, value) if cache_type == "f16" else _poison_stale_scales(x, value)
     n_new = jnp.array([4, 3], jnp.int32)
     for attn in (twin, tk):
         clean = attn.prefill_attention(x["q"], x["k_new"], x["v_new"], *_pool_args(x), n_new, window=0,
-                                       scale=0.0625)
+                                       scale=0.0625, **_scales(x))
         got = attn.prefill_attention(bad["q"], bad["k_new"], bad["v_new"], *_pool_args(bad), n_new, window=0,
-                                     scale=0.0625)
+                                     scale=0.0625, **_scales(bad))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
         one = (bad["q"][:, 0], bad["k_new"][:, 0], bad["v_new"][:, 0])
-        got = attn.decode_attention(*one, *_pool_args(bad), window=24, scale=0.0625)
+        got = attn.decode_attention(*one, *_pool_args(bad), window=24, scale=0.0625, **_scales(bad))
         clean = attn.decode_attention(x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0], *_pool_args(x), window=24,
-                                      scale=0.0625)
+                                      scale=0.0625, **_scales(x))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
 
 
@@ -188,6 +230,20 @@ def test_triton_prefill_matches_twin(shape, window, t):
     n_new = jnp.array([t, 3, 1, 0], jnp.int32)
     new = (x["q"], x["k_new"], x["v_new"])
     kw = dict(window=window, scale=1.0 / math.sqrt(shape["head_dim"]))
+    got = tk.prefill_attention(*new, *_pool_args(x), n_new, **kw)
+    _close(got, twin.prefill_attention(*new, *_pool_args(x), n_new, **kw))
+    assert not np.any(np.asarray(got)[1, 3:]) and not np.any(np.asarray(got)[3])
+
+
+@pytest.mark.parametrize("shape,window", [(GEMMA3, 24), (SMOLLM2, 0), (dict(group=1, kv_heads=2, head_dim=96), 5)])
+def test_triton_kernels_over_a_q8_0_pool_match_the_twin(shape, window):
+    # Dh 96: BLOCK_D 128 pads past the last of three blocks, whose scales must not be read
+    x = _inputs(shape, starts=STARTS, t=8, cache_type="q8_0")
+    kw = dict(window=window, scale=1.0 / math.sqrt(shape["head_dim"]), **_scales(x))
+    one = (x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0])
+    _close(tk.decode_attention(*one, *_pool_args(x), **kw), twin.decode_attention(*one, *_pool_args(x), **kw))
+    n_new = jnp.array([8, 3, 1, 0], jnp.int32)
+    new = (x["q"], x["k_new"], x["v_new"])
     got = tk.prefill_attention(*new, *_pool_args(x), n_new, **kw)
     _close(got, twin.prefill_attention(*new, *_pool_args(x), n_new, **kw))
     assert not np.any(np.asarray(got)[1, 3:]) and not np.any(np.asarray(got)[3])
@@ -232,13 +288,21 @@ def test_shapes_the_kernels_cannot_take_are_refused():
     x = _inputs(dict(group=2, kv_heads=1, head_dim=8), starts=[5], t=2)
     with pytest.raises(ValueError, match="head_dim 8"):
         tk.prefill_attention(x["q"], x["k_new"], x["v_new"], *_pool_args(x), jnp.array([2]), window=0, scale=0.3)
+    x = _inputs(dict(group=2, kv_heads=1, head_dim=48), starts=[5], t=2)
+    with pytest.raises(ValueError, match="q8_0 cache needs head_dim % 32 == 0, not 48"):
+        tk.decode_attention(x["q"][:, 0], x["k_new"][:, 0], x["v_new"][:, 0], *_pool_args(x), window=0, scale=0.3,
+                            k_scale=x["k_pool"][..., :1], v_scale=x["v_pool"][..., :1])
 
 
 def test_interpret_checks_pass():
     results = tk.interpret_checks()
-    # one result per kernel and case, under the kernel's AotVariant name: gpu-check joins the two on it
-    assert sorted(r.name for r in results) == sorted([v.name for v in tk.aot_variants()[:3]] * 2)
-    assert {v.name for v in tk.aot_variants()} == {r.name for r in results}
+    # one result per kernel, cache type and case, under the kernel's AotVariant name and types: gpu-check
+    # joins the two on them (a q8_0 pool has no merge of its own: the merge reads no pool)
+    per_type = {t: sorted({v.name for v in tk.aot_variants() if v.types == (t,)}) for t in ("f16", "q8_0")}
+    assert per_type == {"f16": ["attn_decode_merge", "attn_decode_split", "attn_prefill"],
+                        "q8_0": ["attn_decode_split", "attn_prefill"]}
+    for t, names in per_type.items():
+        assert sorted(r.name for r in results if r.types == (t,)) == sorted(names * 2)
     assert all(r.ok and r.max_rel_err <= r.tolerance for r in results), results
 
 
@@ -274,7 +338,7 @@ def test_aot_compiles_decode_merge_and_prefill_for_sm90_and_sm80():
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout)
     assert {kernel for kernel, *_ in compiled} == {"_decode_split", "_decode_merge", "_prefill"}
-    assert len(compiled) == 12
+    assert len(compiled) == 20  # 2 shapes x (3 f16 kernels + 2 q8_0) x 2 targets
     for name, arch, cubin_bytes, shared, ptx_target in compiled:
         assert cubin_bytes > 0 and ptx_target, name
         assert shared <= SHARED_BYTES[arch], (name, arch, shared)
