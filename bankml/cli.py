@@ -200,7 +200,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
     p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
     p.add_argument("--spec-ngram", action="store_true", help="P0: --spec-type ngram-simple")
-    p.add_argument("--slot-dir", metavar="DIR", help="P0: llama-server's --slot-save-path")
+    p.add_argument("--slot-dir", metavar="DIR", help="slot files: POST /slots/{id}?action=save|restore|erase "
+                   "(made if missing; P0 passes it to llama-server as --slot-save-path)")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
                    help="--native: also serve every model pinned by a *.FORK.json in DIR (a bare flag: "
                         "$BANKML_FORKS, else ~/.local/share/bankml/forks)")

@@ -40,7 +40,7 @@ class ServeConfig:
     keep_alive: str = "5m"  # native: default keep_alive for Ollama's /api/* (a Go duration or seconds)
     rule_set: str = "mainline"  # the guard's rule set
     spec_ngram: bool = False  # P0: --spec-type ngram-simple
-    slot_dir: str = ""  # P0: llama-server's --slot-save-path ("" = none); --native has no slot files yet
+    slot_dir: str = ""  # slot files (POST /slots/{id}?action=save|restore); P0 passes it as --slot-save-path
     shutdown_grace_s: float = 10.0  # SIGTERM/SIGINT: answers in flight get this long to finish, then end
     # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /v1/health and /
     # then needs `Authorization: Bearer KEY` or `x-api-key: KEY` (bankml/serve_files.py reads it)
@@ -331,9 +331,13 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                  if v]
         if given:
             raise ConfigInvalid(f"{', '.join(given)}: llama-server's flags (P0); --native runs bankML's own engine")
-        if slot_dir or s.slot_dir:
-            raise ConfigInvalid("--slot-dir / [serve] slot_dir: --native has no slot files yet (only P0 passes "
-                                "--slot-save-path to llama-server)")
+    chosen_slot_dir = slot_dir or s.slot_dir or None
+    if chosen_slot_dir:  # made now, as llama-server's --slot-save-path is: a typo is refused at start
+        chosen_slot_dir = os.path.expanduser(chosen_slot_dir)
+        try:
+            os.makedirs(chosen_slot_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigInvalid(f"--slot-dir {chosen_slot_dir}: {e.strerror or e}") from None
     template_path = s.chat_template_file if chat_template_file is None else chat_template_file
     if template_path and not native:
         raise ConfigInvalid("--chat-template-file / [serve] chat_template_file: the template is --native's (P0's "

@@ -39,6 +39,7 @@ from gateway import (
     ollama_chat,
     ollama_create,
     ollama_models,
+    slot_route,
 )
 from gateway import llama_refusals as refusals  # issue 15 C
 from gateway.access import Access
@@ -100,7 +101,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/v1/health"): llama_routes.health,
     ("POST", "/detokenize"): llama_routes.detokenize,
     ("POST", "/props"): llama_routes.change_props,
-    ("POST", "/slots/0"): refusals.SLOT_ACTION,  # and ?action=...; paths match exactly: other ids are 404
+    ("POST", "/slots/{id}"): slot_route.slot_action,  # ?action=save|restore|erase, with --slot-dir
     ("POST", "/rerank"): refusals.RERANK,
     ("POST", "/reranking"): refusals.RERANK,
     ("POST", "/v1/rerank"): refusals.RERANK,

@@ -44,6 +44,7 @@ class ChatRequest:
     grammar: str | None = None  # llguidance grammar text (gateway/constraints.py), or None
     tools: Tools | None = None  # the request's tools (gateway/tool_calls.py), or None
     response_schema: Any = None  # with tools: the schema a response that does not call answers in
+    id_slot: int = -1  # llama-server's: the sequence slot to run in (-1: any)
 
 
 def bad(message: str) -> InvalidRequest:
@@ -239,7 +240,6 @@ IGNORED = {
     "adaptive_target": "read only by the adaptive-p sampler, which needs a custom `samplers` (refused)",
     "adaptive_decay": "read only by the adaptive-p sampler, which needs a custom `samplers` (refused)",
     "backend_sampling": "where the sampler runs, not what it draws",
-    "id_slot": "one slot",
     "user": "llama-server ignores it too",
     "metadata": "llama-server ignores it too",
     "store": "llama-server ignores it too",
@@ -335,5 +335,5 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
                        bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar,
-                       tools, schema)
+                       tools, schema, json_value(request, "id_slot", -1, get_int))
 

@@ -67,7 +67,8 @@ async def chat_completions(request, state):
         completion = Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), shown,
                                 include_usage=chat.include_usage)
         requests = [GenerateRequest(prompt, chat.params, request_id=completion.id if chat.n == 1 else
-                                    f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream)
+                                    f"{completion.id}-{j}", return_progress=chat.return_progress and chat.stream,
+                                    id_slot=chat.id_slot)
                     for j in range(chat.n)]
         grammar = chat.grammar if plan is None else plan.grammar
         await attach_constraints(loaded, requests, grammar)  # a 400 before any model work

@@ -114,6 +114,10 @@ class EngineClient:
         """Run `fn` on the engine thread (load, warm, unload) and await its result."""
         return await asyncio.wrap_future(self.thread.call(fn))
 
+    async def call_when(self, fn: Callable[[], Any], ready: Callable[[], bool]) -> Any:
+        """`call`, run once `ready()` holds on the engine thread (EngineThread.call)."""
+        return await asyncio.wrap_future(self.thread.call(fn, ready))
+
     @property
     def failure(self) -> str | None:
         return self.thread.failure

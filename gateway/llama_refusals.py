@@ -5,8 +5,6 @@ b11434 has (tools/server/server.cpp's table) gets a clear refusal instead, so it
 501 not_supported_error, in llama-server's error shape, with the reason. Where llama-server itself
 refuses a route in its default configuration, it is refused with llama-server's own answer (the
 recorded one: tests/fixtures/llama_small_smollm2.json), since that is true here too:
-- POST /slots/<id>: "This server does not support slots action. Start it with `--slot-save-path`"
-  (serving.md §6: --native takes no slot directory);
 - /cors-proxy and /tools: 403 `{"error": {"message": "this feature is disabled", "type":
   "feature_disabled"}}` (the Web UI's MCP proxy and server tools, off unless asked for).
 GET /lora-adapters is served truthfully: no adapter is loaded, `[]`, as llama-server answers without
@@ -42,7 +40,6 @@ CONTROL = refusal("bankml serve --native does not serve /v1/chat/completions/con
 TRANSCRIPTIONS = refusal("The current model does not support audio input.")  # llama-server's words, true here
 SYSTEMONE = refusal("bankml serve --native does not serve /v1/systemone (llama-server's decision models)")
 STREAMS = refusal("bankml serve --native keeps no streams to resume: a stream ends with its connection")
-SLOT_ACTION = refusal("This server does not support slots action. Start it with `--slot-save-path`")
 
 
 async def lora_adapters(request, state):

@@ -10,7 +10,7 @@ b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` rea
 MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
 calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
 `/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
-max_seqs` of them), in llama-server's shape. The routes of llama-server we do not serve are refused
+max_seqs` of them), in llama-server's shape; `POST /slots/{id}` is gateway/slot_route.py's. The routes of llama-server we do not serve are refused
 by name in llama_refusals.py.
 """
 
@@ -144,10 +144,14 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
 
     Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
     anyone who can reach /slots would read, and for the same reason its `stop` strings. An idle
-    slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1."""
+    slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1; its
+    `n_prompt_tokens` are the tokens it keeps in the cache (its last sequence's, a restored file's,
+    0 once erased; absent for a slot that never ran), as llama-server's idle slot shows them."""
     out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
                            "is_processing": seq.is_processing, "id_task": seq.id_task}
     if not seq.is_processing:
+        if seq.n_kept is not None:
+            out["n_prompt_tokens"] = seq.n_kept
         return out
     out["n_prompt_tokens"] = seq.n_prompt
     out["n_prompt_tokens_processed"] = max(0, seq.n_prompt_done - seq.n_cached)

@@ -8,7 +8,8 @@ runs before the head of every answer goes out, streamed, refused by a route or f
 
 A target matches a route exactly; only a handler marked `takes_query` (llama-server's `GET /slots`,
 whose clients send `?fail_on_no_slot=1`) is also reached by its path followed by `?query`, and reads
-the query itself (`query_of`).
+the query itself (`query_of`). A route whose path ends in `/{id}` (`POST /slots/{id}`) takes any
+last segment, and reads it from the raw target itself.
 """
 
 from __future__ import annotations
@@ -76,9 +77,14 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
         # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404, as in the Rust bankml
         target = request.raw_url.decode("latin-1")
         handler = routes.get((request.method, target))
+        path = target.partition("?")[0]
         if handler is None and "?" in target:
-            handler = routes.get((request.method, target.partition("?")[0]))
+            handler = routes.get((request.method, path))
             if not getattr(handler, "takes_query", False):
+                handler = None
+        if handler is None:  # a route with a last segment of its own, e.g. POST /slots/{id}
+            handler = routes.get((request.method, path.rpartition("/")[0] + "/{id}"))
+            if handler is not None and "?" in target and not getattr(handler, "takes_query", False):
                 handler = None
         if handler is None:
             raise NotFound()

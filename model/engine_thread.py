@@ -102,6 +102,7 @@ class _Generate:
 class _Call:
     fn: Callable[[], Any]
     future: concurrent.futures.Future
+    ready: Callable[[], bool] | None = None  # run only once this holds (checked after each iteration)
 
 
 _STOP = object()
@@ -140,6 +141,7 @@ class EngineThread:
         self.max_waiting = max_waiting
         self._live: dict[int, _Generate] = {}  # by task id: handed to the engine, not finished (thread only)
         self._pending = 0  # submitted, not yet handed to the engine
+        self._deferred: list[_Call] = []  # calls waiting for their `ready` (thread only)
         self._stats: EngineStats | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -196,13 +198,16 @@ class EngineThread:
         is gone)."""
         return self._stats
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn()` on the engine thread, between two iterations; its result in a Future."""
+    def call(self, fn: Callable[[], Any], ready: Callable[[], bool] | None = None) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread, between two iterations; its result in a Future. With
+        `ready` (called on the engine thread), not before `ready()` holds: it is checked when the call
+        is taken and after each iteration (a slot action waits for its slot's sequence to end, as
+        llama-server defers the task). When nothing runs, it is not waited for."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             failure = self.failure
             if failure is None:
-                self._jobs.put(_Call(fn, future))
+                self._jobs.put(_Call(fn, future, ready))
         if failure is not None:
             future.set_exception(EngineThreadFailed(failure))
         return future
@@ -243,9 +248,11 @@ class EngineThread:
                     if job is _STOP:
                         self._stop_live("the server is stopping")
                         self.engine = None
+                        self._fail_waiting("the server is stopping")
                         return
                     if isinstance(job, _Call):
-                        self._run_call(job)
+                        self._deferred.append(job)
+                        self._run_ready()
                     else:
                         self._take(job)
                     job = None
@@ -254,6 +261,7 @@ class EngineThread:
                         break
                 if busy:
                     self._iterate(self.engine)
+                self._run_ready()
         except BaseException as e:  # the thread is dying: answer everyone, never leave them waiting
             why = _why(e)
             log.error("the engine thread stopped: %s", why)
@@ -374,6 +382,10 @@ class EngineThread:
             self._stats = stats
 
     def _fail_waiting(self, why: str) -> None:
+        for job in self._deferred:
+            if not job.future.done():
+                job.future.set_exception(EngineThreadFailed(why))
+        self._deferred = []
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -386,6 +398,23 @@ class EngineThread:
                     self._pending -= 1
                 job.emit(_error(job.request, f"the engine thread stopped: {why}"))
 
+    def _run_ready(self) -> None:
+        """The deferred calls whose `ready` holds (all of them once nothing runs), in order; the stats
+        published after them (a slot action changes what GET /slots shows)."""
+        if not self._deferred:
+            return
+        idle = not self._busy()
+        waiting, waited = [], False
+        for job in self._deferred:
+            if idle or job.ready is None or _holds(job.ready):
+                self._run_call(job)
+                waited |= job.ready is not None
+            else:
+                waiting.append(job)
+        self._deferred = waiting
+        if waited:
+            self._publish(self.engine)
+
     @staticmethod
     def _run_call(job: _Call) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -394,6 +423,14 @@ class EngineThread:
             job.future.set_result(job.fn())
         except Exception as e:
             job.future.set_exception(e)
+
+
+def _holds(ready: Callable[[], bool]) -> bool:
+    """A deferred call's condition; one that fails lets the call run, and fail on its own."""
+    try:
+        return bool(ready())
+    except Exception:
+        return True
 
 
 class _Metering:

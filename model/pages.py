@@ -113,6 +113,14 @@ class PagePool:
     def match(self, digests: Sequence[bytes], n_tokens: int) -> list[int]:
         """The cached pages of the longest chain of `digests` (a prompt's full pages, in order), each
         now held once more by the caller. `n_tokens`: the prompt's length, for the hit rate."""
+        pages = self.hold(digests)
+        self.queries_tokens += n_tokens
+        self.hits_tokens += len(pages) * self.page_size
+        return pages
+
+    def hold(self, digests: Sequence[bytes]) -> list[int]:
+        """`match` without counting a query: the cached pages of the longest chain of `digests`, each
+        now held once more by the caller (a slot file being written)."""
         pages = []
         for digest in digests:
             page = self._by_key.get(digest)
@@ -123,8 +131,6 @@ class PagePool:
             if self._refs[page] == 0:
                 del self._cached[page]
             self._refs[page] += 1
-        self.queries_tokens += n_tokens
-        self.hits_tokens += len(pages) * self.page_size
         return pages
 
     def cached_chain(self, digests: Sequence[bytes]) -> int:
@@ -146,6 +152,21 @@ class PagePool:
         if self._key[page] is None and digest not in self._by_key:
             self._key[page] = digest
             self._by_key[digest] = page
+
+    def forget(self, digests: Sequence[bytes]) -> int:
+        """Drop the keys of `digests` from the prefix cache (a slot erased): a page nobody holds is free
+        again, a held one stays with its holder, unshared from now on. Returns the pages forgotten."""
+        n = 0
+        for digest in digests:
+            page = self._by_key.pop(digest, None)
+            if page is None:
+                continue
+            self._key[page] = None
+            if self._refs[page] == 0:
+                del self._cached[page]
+                self._free.append(page)
+            n += 1
+        return n
 
     def clear(self) -> None:
         """Forget everything: every page free, no prefix cached (after a failed iteration). The

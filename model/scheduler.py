@@ -18,6 +18,11 @@ Driven by the engine thread, one `iterate()` at a time; each iteration, top to b
    the queue to be computed again later), so the pool never runs out and nothing deadlocks.
 4. **Hand out** one `StepOutput` per sampled token; a sequence that finished frees its slot and pages.
 
+A request may name its slot (llama-server's `id_slot`); it waits for that slot, and so does everyone
+behind it. A slot remembers the tokens its last sequence computed (`kept`), for llama-server's slot
+files (model/slots.py): their K/V live in the prefix cache like any other, and `hold_kv` gets them
+back, computing what the cache no longer holds.
+
 With `lookahead` (a GPU), an iteration that only decodes sequences already running dispatches the
 next step (forward and sample, its input tokens taken on the device) before it reads this step's
 tokens, so the device computes while the host detokenizes, checks stops and hands out; the next
@@ -50,7 +55,7 @@ from model.messages import (
     SequenceState,
     StepOutput,
 )
-from model.pages import ROOT_DIGEST, PagePool, chain_digest
+from model.pages import ROOT_DIGEST, PagePool, chain_digest, page_digests
 
 
 @dataclass(eq=False)
@@ -78,6 +83,16 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.n_computed < self.target
+
+
+@dataclass(eq=False)
+class KVHold:
+    """Pages holding the K/V of `tokens`, held for a slot file (`Scheduler.hold_kv`); what the runner's
+    `prefill` reads of a sequence."""
+
+    tokens: list[int]
+    pages: list[int]
+    n_computed: int
 
 
 @dataclass(eq=False)
@@ -134,6 +149,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self._free_slots = list(range(max_seqs - 1, -1, -1))  # popped from the end: slot 0 first
+        self.kept: list[list[int] | None] = [None] * max_seqs  # each slot's last tokens (None: never ran)
         self._next_task = 0
         self.preemptions = 0
         self.iterations = 0
@@ -170,6 +186,7 @@ class Scheduler:
         for seq in self.waiting:
             seq.n_computed = 0
         self.pool.clear()
+        self.kept = [None if k is None else [] for k in self.kept]
         self._ahead = None
         return dropped
 
@@ -185,7 +202,7 @@ class Scheduler:
         # 1. admit, first come first served
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            if self._prefix_in_flight(seq) or not self._admit(seq):
+            if not self._slot_free_for(seq) or self._prefix_in_flight(seq) or not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -303,9 +320,18 @@ class Scheduler:
         seq.n_published = len(cached)
         if seq.admitted_s is None:
             seq.completion.n_cached = seq.n_computed
-        seq.slot = self._free_slots.pop()
+        want = seq.request.id_slot
+        if want >= 0:
+            self._free_slots.remove(want % self.max_seqs)
+            seq.slot = want % self.max_seqs
+        else:
+            seq.slot = self._free_slots.pop()
         self.runner.start_sequence(seq)
         return True
+
+    def _slot_free_for(self, seq: Sequence) -> bool:
+        want = seq.request.id_slot
+        return want < 0 or want % self.max_seqs in self._free_slots
 
     def _shareable_pages(self, seq: Sequence) -> int:
         """The full pages of `seq` it may take from the cache: at least one token is computed when the
@@ -380,6 +406,7 @@ class Scheduler:
         self.preemptions += 1
 
     def _leave(self, seq: Sequence) -> None:
+        self.kept[seq.slot] = seq.tokens[:seq.n_computed]
         self.running.remove(seq)
         self.pool.release(seq.pages)
         seq.pages, seq.n_published = [], 0
@@ -399,7 +426,9 @@ class Scheduler:
         for slot in range(self.max_seqs):
             seq = by_slot.get(slot)
             if seq is None:
-                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx))
+                kept = self.kept[slot]
+                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx,
+                                            n_kept=None if kept is None else len(kept)))
                 continue
             c, max_tokens = seq.completion, seq.request.params.max_tokens
             states.append(SequenceState(
@@ -413,3 +442,49 @@ class Scheduler:
             pages_cached=self.pool.cached, prefix_queries_tokens=self.pool.queries_tokens,
             prefix_hits_tokens=self.pool.hits_tokens, preemptions=self.preemptions, iterations=self.iterations,
             sequences=tuple(states))
+
+    # --- slot files (model/slots.py) ---------------------------------------------------------------
+
+    def slot_busy(self, slot: int) -> bool:
+        return any(seq.slot == slot for seq in self.running)
+
+    def hold_kv(self, tokens: list[int]) -> KVHold | None:
+        """Pages holding the K/V of all of `tokens`, held until `release_kv`: the prefix cache's chain
+        first, the rest computed into pages of its own (and published). None, with nothing held, when
+        the pool has no pages for the rest."""
+        page = self.page_size
+        digests = page_digests(tokens, page)
+        cached = self.pool.hold(digests)
+        own = self.pool.take(-(-len(tokens) // page) - len(cached))
+        if own is None:
+            self.pool.release(cached)
+            return None
+        hold = KVHold(tokens, cached + own, len(cached) * page)
+        while hold.n_computed < len(tokens):
+            n = min(len(tokens) - hold.n_computed, self.prefill_budget)
+            self.runner.prefill(hold, n)
+            hold.n_computed += n
+        for i in range(len(cached), len(tokens) // page):
+            self.pool.publish(hold.pages[i], digests[i])
+        return hold
+
+    def take_kv(self, n_tokens: int) -> list[int] | None:
+        """Pages for `n_tokens` restored from a slot file (None when the pool has too few)."""
+        return self.pool.take(-(-n_tokens // self.page_size))
+
+    def release_kv(self, tokens: list[int], pages: list[int]) -> None:
+        """Let go of pages `hold_kv` or `take_kv` gave, their full pages of `tokens` kept in the prefix cache."""
+        for page, digest in zip(pages, page_digests(tokens, self.page_size), strict=False):
+            self.pool.publish(page, digest)
+        self.pool.release(pages)
+
+    def keep(self, slot: int, tokens: list[int] | None) -> None:
+        """The slot's kept tokens, after a restore (None: as if it never ran)."""
+        self.kept[slot] = tokens
+
+    def erase(self, slot: int) -> int:
+        """Forget the slot's tokens and their pages in the prefix cache; how many tokens it had."""
+        tokens = self.kept[slot] or []
+        self.pool.forget(page_digests(tokens, self.page_size))
+        self.kept[slot] = []
+        return len(tokens)

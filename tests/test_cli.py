@@ -113,8 +113,9 @@ def test_refusals_say_why(bankml_cmd, env):
 
 
 def test_what_serve_cannot_honour_is_refused_at_start_before_any_fetch(bankml_cmd, env, tmp_path):
+    (tmp_path / "f").write_text("a file, not a directory")
     for argv, why in [
-        (["--native", "--slot-dir", str(tmp_path)], "--native has no slot files yet"),
+        (["--native", "--slot-dir", str(tmp_path / "f")], f"--slot-dir {tmp_path / 'f'}: File exists"),
         (["--native", "--spawn", "/bin/true"], "--spawn: llama-server's flags (P0)"),
         (["--native", "--registry", str(tmp_path / "none")], f"--registry {tmp_path / 'none'}: not a directory"),
         (["--native", "--registry"], f"--registry {tmp_path / 'forks'}: not a directory"),  # $BANKML_FORKS

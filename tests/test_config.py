@@ -130,13 +130,15 @@ def test_keep_alive_is_ollamas_duration():
 
 
 def test_what_native_cannot_honour_is_refused_by_name(tmp_path: Path):
-    with pytest.raises(ConfigInvalid, match="--native has no slot files yet"):
-        options("--native", "--slot-dir", str(tmp_path))
+    # the slot directory is made at start (as llama-server's --slot-save-path), in both modes
+    assert options("--native", "--slot-dir", str(tmp_path / "a" / "b")).slot_dir == str(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
     conf = tmp_path / "slots.toml"
-    conf.write_text(f'[serve]\nslot_dir = "{tmp_path}"\n')
-    with pytest.raises(ConfigInvalid, match="slot_dir: --native has no slot files yet"):
-        options("--native", "--config", str(conf))
-    assert options("--config", str(conf)).slot_dir == str(tmp_path)  # P0 hands it to llama-server
+    conf.write_text(f'[serve]\nslot_dir = "{tmp_path / "c"}"\n')
+    assert options("--native", "--config", str(conf)).slot_dir == str(tmp_path / "c")
+    assert options("--config", str(conf)).slot_dir == str(tmp_path / "c")  # P0 hands it to llama-server
+    with pytest.raises(ConfigInvalid, match="--slot-dir .*slots.toml: File exists"):
+        options("--native", "--slot-dir", str(conf))
     for flag in (["--spawn", "/bin/llama-server"], ["--threads", "4"], ["--spec-ngram"]):
         with pytest.raises(ConfigInvalid, match=f"{flag[0]}: llama-server's flags"):
             options("--native", *flag)

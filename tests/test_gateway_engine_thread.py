@@ -286,6 +286,30 @@ def test_calls_run_between_iterations_while_a_generation_is_live():
     thread.stop()
 
 
+def test_a_call_with_a_condition_waits_for_it_between_iterations():
+    """A slot action waits for its slot's sequence to end (model/slots.py): `ready` is checked after each
+    iteration, the call runs at the first that holds, and the generation is never disturbed."""
+    engine = CountingEngine(n=60, step_s=0.002)
+    thread = _thread_with(engine)
+    into: queue.Queue = queue.Queue()
+    _submit(thread, "g", into)
+    into.get(timeout=5)
+    checks = []
+
+    def ready() -> bool:
+        checks.append(engine.steps["g"])
+        return engine.steps["g"] >= 40
+
+    ran_at = thread.call(lambda: engine.steps["g"], ready).result(5)
+    assert 40 <= ran_at < 60 and len(checks) > 1 and checks == sorted(checks)
+    got = _drain(into, 1)
+    assert got[-1][1].finish_reason is FinishReason.STOP and engine.steps["g"] == 60
+    # nothing runs: a condition that never holds is not waited for; one that fails lets the call run
+    assert thread.call(lambda: "idle", lambda: False).result(5) == "idle"
+    assert thread.call(lambda: "ran", lambda: 1 / 0).result(5) == "ran"
+    thread.stop()
+
+
 def test_swapping_the_engine_ends_the_old_engines_live_requests_with_an_error():
     old = CountingEngine(n=10_000, step_s=0.002, max_seqs=2)
     thread = _thread_with(old)
