@@ -30,7 +30,7 @@ from typing import Any
 from bankml.errors import ContextExceeded, InvalidRequest, NotSupported
 from gateway.chat_request import refuse_unsupported
 from gateway.constraints import fields_grammar, read_logit_bias
-from gateway.json_values import has_value, json_value, type_name
+from gateway.json_values import get_int, has_value, json_value, type_name
 from gateway.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.request_fields import I32_MAX, read_fields
 from model.messages import SamplingParams
@@ -53,13 +53,15 @@ class CompletionRequest:
     raw: dict  # the request after the OpenAI layer, for /infill's own fields
     return_progress: bool = False  # prompt progress events (streamed only, as llama-server)
     grammar: str | None = None  # llguidance grammar text from json_schema / grammar (gateway/constraints.py)
+    id_slot: int = -1  # llama-server's: the sequence slot to run in (-1: any)
+    echo: bool = False  # /v1/completions: the prompt before the completion, with its logprobs (gateway/echo.py)
 
 
 def oai_layer(body: Any) -> dict:
     """oaicompat_completion_params_parse (b11434): `stop` as a string or an array, then every other key
     passed through (`n_predict` over `max_tokens`). b11434 takes `echo`, `suffix` and `best_of` and
-    ignores them (recorded); each would change the answer a client expects, so ours refuses them
-    (`_refuse_oai`), after llama-server's own checks."""
+    ignores them (recorded); each would change the answer a client expects, so ours honours `echo`
+    (gateway/echo.py) and refuses the others (`_refuse_oai`), after llama-server's own checks."""
     params: dict[str, Any] = {}
     stop = body.get("stop")
     params["stop"] = [stop] if isinstance(stop, str) else json_value(body, "stop", [])
@@ -86,6 +88,11 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
     if oai:
         doc = oai_layer(doc)
     p = read_fields(doc, defaults, n_max=N_UNBOUNDED)
+    echo = oai and p.get("echo") is True
+    if echo:
+        if p["stream"]:
+            raise NotSupported("'echo' with 'stream' is not supported by bankml serve --native yet")
+        p["echo"] = False  # honoured (gateway/echo.py)
     timings_per_token = bool(p.get("timings_per_token"))
     return_progress = bool(p.get("return_progress"))
     # honoured here: every output carries the engine thread's timeline, the engine reports each
@@ -101,7 +108,8 @@ def parse_completion(doc: Any, defaults: SamplingParams, *, oai: bool) -> Comple
     fields_ = p.get("response_fields")
     return CompletionRequest(doc["prompt"], bool(p["stream"]), sp, int(p["n"]), bool(p.get("return_tokens")),
                              timings_per_token, bool(p["include_usage"]),
-                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress, grammar)
+                             fields_ if isinstance(fields_, list) and fields_ else None, doc, return_progress, grammar,
+                             json_value(doc, "id_slot", -1, get_int), echo)
 
 
 def check_sequences(prompt: Any, n: int, max_sequences: int) -> None:

@@ -29,6 +29,7 @@ import enum
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 from bankml import jstr
 from bankml.errors import InvalidRequest
@@ -43,6 +44,7 @@ from gateway.completion_request import (
 )
 from gateway.constraints import attach_constraints
 from gateway.derived import apply_openai, layer_num_ctx
+from gateway.echo import legacy_logprobs, prompt_texts
 from gateway.errors import exceed_context, json_response
 from gateway.generation import Finished, answer_receipt, end_failed, metrics_model, open_sse, outputs, whole
 from gateway.openai_chat import DONE_EVENT, logprob_entry
@@ -138,15 +140,19 @@ async def _complete(request, state, kind: Kind):
                         params_json(req.params, stream=req.stream, timings_per_token=req.timings_per_token))
         progress = req.return_progress and req.stream  # llama-server: progress is for streams only
         requests = [GenerateRequest(ids, req.params, request_id=f"{answer.id}-{i * req.n + j}",
-                                    return_progress=progress)
+                                    return_progress=progress, id_slot=req.id_slot)
                     for i, ids in enumerate(prompts) for j in range(req.n)]
         await attach_constraints(loaded, requests, req.grammar)  # a 400 before any model work
         texts = [model.tokenizer.decode(ids, True) for ids in prompts] if kind is not Kind.OAI else []
+        # each clock starts as its sequence is handed over
+        tallies = [Tally.start(body, state.receipt_key) for _ in requests]
         try:
             with state.monitoring.answer() as monitored:
+                if req.echo:
+                    return await _echoed(loaded, requests, answer, prompts, tallies, monitored)
                 if req.stream:
-                    return await _streamed(request, loaded, requests, answer, texts, body, monitored)
-                return await _whole(loaded, requests, answer, texts, body, monitored)
+                    return await _streamed(request, loaded, requests, answer, texts, tallies, monitored)
+                return await _whole(loaded, requests, answer, texts, tallies, monitored)
         finally:
             state.residency.touch(pin.name, FOREVER)  # as /v1: kept resident
 
@@ -167,8 +173,8 @@ def _entry(out: StepOutput) -> dict:
     return logprob_entry(out.logprobs)
 
 
-async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes, monitored):
-    tallies = [Tally.start(body) for _ in requests]  # each clock starts as its sequence is handed over
+async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], tallies: list[Tally],
+                 monitored):
     done: list[Finished] = await whole(loaded, requests, _entry if a.req.params.n_probs > 0 else None)
     for f in done:
         monitored.record(metrics_model(loaded), f.last)
@@ -195,11 +201,49 @@ async def _whole(loaded, requests: list[GenerateRequest], a: Answer, texts: list
     return json_response(jstr.dumps(objs[0] if len(objs) == 1 else objs))
 
 
-async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer, texts: list[str], body: bytes,
-                    monitored):
+async def _echoed(loaded, requests: list[GenerateRequest], a: Answer, prompts: list[list[int]],
+                  tallies: list[Tally], monitored):
+    """/v1/completions with `echo` (gateway/echo.py): each choice's text is its prompt's, then what was
+    generated (nothing for max_tokens 0); with logprobs, the prompt's are scored by the engine first."""
+    tokenizer = loaded.model.tokenizer
+    echoed = prompt_texts(a.req.prompt, prompts, tokenizer)
+    n_probs = a.req.params.n_probs
+    scored: list[list] = []
+    if n_probs > 0:
+        engine_thread = loaded.client.thread
+        for ids in prompts:
+            scored.append(await loaded.client.call(partial(_score, engine_thread, ids, n_probs)))
+    if a.req.params.max_tokens == 0:
+        done = [Finished("", StepOutput(token=None, finish_reason=FinishReason.LENGTH,
+                                        prompt_tokens=len(r.prompt_tokens))) for r in requests]
+    else:
+        done = await whole(loaded, requests, _entry if n_probs > 0 else None)
+        for f in done:
+            monitored.record(metrics_model(loaded), f.last)
+    choices = []
+    for j, f in enumerate(done):
+        i = j // a.req.n  # its prompt
+        text = echoed[i] + f.text
+        logprobs = legacy_logprobs(tokenizer, prompts[i], scored[i], f.entries) if n_probs > 0 else None
+        choice = {**w.oai_choice(j, text, f.last, None), "logprobs": logprobs}
+        # the receipt hashes the legacy logprobs object, as sent
+        choice["bankml_receipt"] = answer_receipt(loaded, tallies[j], text, f.last, [logprobs] if logprobs else [])
+        choices.append(choice)
+    res = w.oai_body(a.id, a.created, a.model, choices, done[0].last)
+    if len(done) == 1:
+        res["bankml_receipt"] = choices[0].pop("bankml_receipt")
+    return json_response(jstr.dumps(res))
+
+
+def _score(engine_thread, ids: list[int], n_probs: int) -> list:
+    """On the engine thread: the prompt's teacher-forced logprobs (model/score.py)."""
+    return engine_thread.engine.prompt_logprobs(ids, n_probs)
+
+
+async def _streamed(request, loaded, requests: list[GenerateRequest], a: Answer, texts: list[str],
+                    tallies: list[Tally], monitored):
     response = None
     n = a.req.n
-    tallies = [Tally.start(body) for _ in requests]
     sent_entries: list[list[dict]] = [[] for _ in requests]
     has_new_line = [False] * len(requests)
     with_probs = a.req.params.n_probs > 0

@@ -131,7 +131,8 @@ def test_timings_per_token_puts_timings_on_every_event(server):
 
 
 # recorded refusals we answer differently on purpose: b11434 takes these and ignores them (echo,
-# suffix, best_of) or honours what this engine does not (post_sampling_probs); ours are 400s naming them
+# suffix, best_of) or honours what this engine does not (post_sampling_probs); ours are 400s naming
+# them, but for echo, which ours honours
 DIFFERENT = {"oai_echo": "echo", "oai_suffix": "suffix", "oai_best_of": "best_of",
              "post_sampling_probs": "post_sampling_probs"}
 
@@ -141,6 +142,9 @@ def test_each_recorded_refusal_is_llama_servers(fixture_server, name):
     case = RECORDED["refusals"][name]
     body = case["request"]
     r = post(fixture_server, case["route"], body)
+    if name == "oai_echo":  # b11434 ignores echo; ours echoes the prompt first (OpenAI's legacy echo)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith(body["prompt"]), r.text
+        return
     if name in DIFFERENT:
         assert r.status_code == 400 and f"'{DIFFERENT[name]}'" in r.json()["error"]["message"], r.text
         return
@@ -216,9 +220,14 @@ def test_the_openai_layer_reads_what_llama_server_reads_and_refuses_what_it_igno
     assert (req.params.stop, req.params.max_tokens, req.params.n_probs) == (("y",), 3, 2)
     assert parse_completion({"prompt": "x", "logprobs": True}, SamplingParams(), oai=True).params.n_probs == 1
     assert parse_completion({"prompt": "x", "best_of": 1}, SamplingParams(), oai=True).n == 1
-    for field, value in (("echo", True), ("suffix", "y"), ("best_of", 2)):
+    for field, value in (("suffix", "y"), ("best_of", 2)):
         with pytest.raises(NotSupported, match=f"'{field}'"):
             parse_completion({"prompt": "x", field: value}, SamplingParams(), oai=True)
+    assert parse_completion({"prompt": "x", "echo": True}, SamplingParams(), oai=True).echo
+    with pytest.raises(NotSupported, match="'echo' with 'stream'"):
+        parse_completion({"prompt": "x", "echo": True, "stream": True}, SamplingParams(), oai=True)
+    with pytest.raises(NotSupported, match="'echo'"):  # llama-server's own /completion has no echo
+        parse_completion({"prompt": "x", "echo": True}, SamplingParams(), oai=False)
 
 
 # --- /v1/completions and /completions ------------------------------------------------------------

@@ -142,3 +142,32 @@ def _index(e) -> int:
 
 def _by_index(events: list) -> list:
     return sorted(events, key=_index)  # stable: each sequence's own order kept
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_generation_scored_it(server):
+    """OpenAI's legacy echo through the openai client: the prompt's teacher-forced logprobs (model/score.py)
+    are, at the positions a generation produced, that generation's own logprobs."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.url("/v1"), api_key="none", max_retries=0)
+    gen = httpx.post(server.url("/v1/completions"), json={"prompt": "The capital of France is", "max_tokens": 6,
+                                                          "temperature": 0, "logprobs": 3}, timeout=300).json()
+    entries = gen["choices"][0]["logprobs"]["content"]
+    prompt_ids = httpx.post(server.url("/tokenize"), json={"content": "The capital of France is",
+                                                           "add_special": True}, timeout=60).json()["tokens"]
+    ids = prompt_ids + [e["id"] for e in entries]
+    echoed = c.completions.create(model="x", prompt=ids, echo=True, logprobs=3, max_tokens=0)
+    choice = echoed.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert choice.text == "".join(lp.tokens) and lp.text_offset[-1] == len(choice.text) - len(lp.tokens[-1])
+    assert echoed.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    for j, e in enumerate(entries):
+        at = len(prompt_ids) + j
+        # the decode steps sum in another order than one pass over the whole text: measured up to 7e-4
+        assert lp.token_logprobs[at] == pytest.approx(e["logprob"], abs=2e-3)
+        assert list(lp.top_logprobs[at]) == [t["token"] for t in e["top_logprobs"]]
+    assert echoed.model_extra["bankml_receipt"]["response_sha256"]
+    # with a completion after the echo: the text is the prompt's, then the answer's
+    both = c.completions.create(model="x", prompt="The capital of France is", echo=True, max_tokens=6, temperature=0)
+    assert both.choices[0].text == "The capital of France is" + gen["choices"][0]["text"]
