@@ -1,7 +1,7 @@
 """llama-server's `POST /slots/{id}?action=save|restore|erase` with `--slot-dir` (serving.md §6, §4.3).
 
 The checks come in llama-server's order, each its answer: no slot directory is its 501; an id that
-is not a number (or is negative) is "Invalid slot ID"; an action other than the three (or none) is
+is not a number (negative, or past std::stoi's int) is "Invalid slot ID"; an action other than the three (or none) is
 "Invalid action"; a file name that is missing, not a string, or not a plain name (`filename_ok`,
 llama.cpp's fs_validate_filename without subdirectories) is "Invalid filename". An id past the
 slots wraps, as llama-server's get_slot_by_id does (`id % slots`). The action runs on the model's
@@ -24,6 +24,7 @@ from model.slot_file import SlotFileError, SlotSaveFailed
 NO_SLOT_DIR = "This server does not support slots action. Start it with `--slot-save-path`"
 ACTIONS = ("save", "restore", "erase")
 MAX_NAME_BYTES = 255
+INT32_MAX = 2**31 - 1
 # reserved on some file system, or a path separator (llama.cpp's fs_validate_filename)
 _RESERVED = set(':*?"<>|/\\')
 # look like a dot or a slash, or are not characters at all
@@ -49,7 +50,7 @@ async def slot_action(request, state):
         raise NotServed(NO_SLOT_DIR)
     target = request.raw_url.decode("latin-1").partition("?")[0]
     id_text = target.removeprefix("/slots/")
-    if not id_text.isascii() or not id_text.isdigit():
+    if not id_text.isascii() or not id_text.isdigit() or int(id_text) > INT32_MAX:  # std::stoi's range
         raise InvalidRequest("Invalid slot ID")
     action = (query_of(request).get("action") or [""])[0]
     if action not in ACTIONS:

@@ -14,8 +14,8 @@ The layout, little-endian:
 `Slot` is what a file holds, with K/V as the pool keeps them (f16 values, or int8 quants and f16
 scales); `encode` makes the bytes, `decode` checks and reads them back, refusing with the reason
 (`SlotFileError`) a file that is not one, is damaged, or was written for another model, context,
-shape or cache type. It is written to `<name>.tmp` and renamed, so a crash never leaves half a file
-under the name a restore reads.
+shape or cache type. It is written to a temporary file beside it and renamed, so a crash never leaves
+half a file under the name a restore reads.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,10 +177,13 @@ def decode(data: bytes, expect: Expect) -> Slot:
 
 
 def write(path: str | os.PathLike, data: bytes) -> None:
-    """`data` to `path`, through `path.tmp` renamed into place (a reader never sees half a file)."""
-    tmp = os.fspath(path) + ".tmp"
+    """`data` to `path`, through a temporary file beside it renamed into place (a reader never sees
+    half a file). Its name is short, not `path` + ".tmp": a name of 255 bytes, which the filename rule
+    allows, would be too long for the file system with a suffix. Mode 0600, as mkstemp makes it: a
+    slot file holds a conversation."""
+    fd, tmp = tempfile.mkstemp(prefix=".bankml-slot-", suffix=".tmp", dir=os.path.dirname(os.fspath(path)) or ".")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -63,6 +63,7 @@ def test_without_a_slot_dir_it_is_llama_servers_501(fake_without_dir):
 @pytest.mark.parametrize("path, body, message", [
     ("/slots/abc?action=save", {"filename": "x.bin"}, "Invalid slot ID"),
     ("/slots/-1?action=save", {"filename": "x.bin"}, "Invalid slot ID"),
+    ("/slots/2147483648?action=save", {"filename": "x.bin"}, "Invalid slot ID"),  # past std::stoi's int
     ("/slots/?action=save", {"filename": "x.bin"}, "Invalid slot ID"),
     ("/slots/0?action=frobnicate", {"filename": "x.bin"}, "Invalid action"),
     ("/slots/0", {"filename": "x.bin"}, "Invalid action"),

@@ -63,7 +63,8 @@ def test_a_restored_slot_continues_as_one_never_saved(path, path32, tmp_path, ca
     saved = a.save_slot(1, str(tmp_path / "s.bin"), SHA)
     assert saved.n_tokens == len(first) + len(answer) - 1  # the last sampled token is never computed
     assert (tmp_path / "s.bin").stat().st_size == saved.n_bytes
-    assert not (tmp_path / "s.bin.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin"]  # the temporary file was renamed
+    assert (tmp_path / "s.bin").stat().st_mode & 0o777 == 0o600  # a conversation: its owner's only
 
     second = first + answer + _prompt(9, seed=5)
     want, want_last = _run(a, second)  # the engine that never lost its cache
@@ -106,6 +107,15 @@ def slots_expect(engine):
     from model.slots import expect
 
     return expect(engine, SHA)
+
+
+def test_a_name_of_255_bytes_is_saved(path, tmp_path):
+    """The filename rule allows 255 bytes: the temporary file beside it must not add to that name."""
+    a = _engine(path)
+    name = "é" * 127 + "a"
+    assert len(name.encode()) == 255
+    a.save_slot(0, str(tmp_path / name), SHA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
 def test_an_idle_slot_saves_empty_and_erase_forgets(path, tmp_path):
