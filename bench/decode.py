@@ -163,7 +163,7 @@ class Ours:
         from model.sampler_chain import chain_arrays
 
         e = self.engine
-        window = e._window_pages(position, e.decode_window_buckets())
+        window = e.programs.window_pages(position, e.programs.decode_windows)
         decode, select = e._program("decode", 1, window), e._program("select", 1, 0)
         put = jax.device_put
         slots, table = put(np.array([0], np.int32)), put(np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages)
@@ -199,7 +199,7 @@ class Ours:
 
         e = self.engine
         # one sequence's decode step in the smallest window, as the runs above decode (batch 1)
-        window = e._window_pages(e.decode_window_buckets()[0], e.decode_window_buckets())
+        window = e.programs.window_pages(e.programs.decode_windows[0], e.programs.decode_windows)
         program = e._program("decode", 1, window)
         args = (e._history, np.zeros(1, np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
                 np.array([window * e.page_size - 1], np.int32), np.ones(1, np.int32))
@@ -282,7 +282,7 @@ def _start_child(args) -> None:
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup(essential=args.essential)
     print(json.dumps({"start_s": load_s + compile_s, "load_s": load_s, "compile_s": compile_s,
-                      "n_programs": len(engine._compiled), "of_programs": len(engine.program_keys())}))
+                      "n_programs": len(engine._compiled), "of_programs": len(engine.programs.keys())}))
 
 
 def start_times(model: Path, n_ctx: int | None) -> dict:

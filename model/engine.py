@@ -19,7 +19,7 @@ Prompt reuse (llama-server's `cache_prompt`, on by default) is the scheduler's p
 pages of every sequence stay cached until the pool needs them, and a new prompt computes only what
 follows the longest chain of pages it shares with any of them (`cached_tokens`).
 
-Every compiled program comes from a fixed table of shapes (`program_keys`), so no temperature, token
+Every compiled program comes from a fixed table of shapes (model/programs.py), so no temperature, token
 or batch ever triggers a compilation. `warmup()` compiles the whole table; a server that wants to
 bind sooner compiles `warmup(essential=True)` (what first short requests need), then the rest with
 `compile_in_background()` while it serves. A program needed before the background got to it is
@@ -57,6 +57,7 @@ from model.kvcache import KVPool, cache_type_refusal, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.pages import PagePool
 from model.pooling import pooling_of, resolve_pooling
+from model.programs import MIN_PREFILL_BUCKET, MIN_WINDOW, ProgramTable, pow2_at_least
 from model.sampler_chain import ChainArrays, chain_arrays
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
@@ -77,30 +78,13 @@ log = logging.getLogger(__name__)
 _LOWERING = threading.Lock()
 
 PREFILL_CHUNK = 512  # the default largest prefill bucket; longer prompts run in chunks of this many tokens
-MIN_PREFILL_BUCKET = 16
-CONTINUE_BUCKET = 64  # the smallest bucket of a prompt's rest after a reused prefix
-MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 PAGE_SIZE = 16  # tokens per KV page
-# What first requests need (`essential_keys`): prompts of up to this many tokens from position 0 (or
-# a short rest after a cached prefix), then an answer while prompt and answer fit in ESSENTIAL_CELLS
-# (several at once: MIN_WINDOW); larger shapes compile in the background
-ESSENTIAL_PROMPT = 256
-ESSENTIAL_CELLS = 512
 DEVICE_BYTES_RATIO = 1.15  # the most the device layout may take over the file's tensor bytes
 
 
 class EngineError(InvalidRequest, ValueError):
     """A request (or a configuration) the engine cannot take. The message is the reason, told to the
     client as it is; any other exception in the engine is a failure, named by its type."""
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, n - 1).bit_length())
-
-
-def batch_buckets(max_seqs: int) -> list[int]:
-    """Decode batch sizes: the powers of two below max_seqs, and max_seqs."""
-    return sorted({*(1 << i for i in range(max_seqs.bit_length()) if 1 << i < max_seqs), max_seqs})
 
 
 class Engine:
@@ -131,9 +115,7 @@ class Engine:
         self.page_size = page_size
         self.max_pages = -(-n_ctx // page_size)
         n_pages = max_seqs * self.max_pages if n_pages is None else n_pages
-        self._prefill_windows = self.window_buckets()  # fixed by n_ctx: looked up on every step
-        self._decode_windows = self.decode_window_buckets()
-        self._batches = batch_buckets(max_seqs)
+        self.programs = ProgramTable(n_ctx, prefill_chunk, page_size, max_seqs)  # every shape a step takes
         self.eog_ids = frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ())
         # the scheduler holds its runner weakly: an engine nobody else holds is freed at once
         self.scheduler = Scheduler(weakref.proxy(self), PagePool(n_pages, page_size), max_seqs=max_seqs,
@@ -231,30 +213,6 @@ class Engine:
 
     # --- compiled programs ----------------------------------------------------------------------
 
-    def prefill_buckets(self) -> list[int]:
-        top = min(self.prefill_chunk, _pow2_at_least(self.n_ctx, MIN_PREFILL_BUCKET))
-        return [b for b in (MIN_PREFILL_BUCKET << i for i in range(16)) if b <= top]
-
-    def window_buckets(self) -> list[int]:
-        """Attention windows over cached cells: powers of two, the last one the whole cache."""
-        out, w = [], MIN_WINDOW
-        while w < self.n_ctx:
-            out.append(w)
-            w *= 2
-        return [*out, self.n_ctx]
-
-    def decode_window_buckets(self) -> list[int]:
-        """Decode's windows: the powers of two and 1.5x each. A decode step reads its whole window of
-        cells, so the finer steps cut up to a quarter of its attention reads; prefill keeps the powers."""
-        between = [w * 3 // 2 for w in self.window_buckets() if w * 3 // 2 < self.n_ctx]
-        return sorted({*self.window_buckets(), *between})
-
-    def _window_pages(self, n_cells: int, buckets: list[int]) -> int:
-        """The pages of the smallest window bucket holding `n_cells` cached cells (0: none)."""
-        if n_cells == 0:
-            return 0
-        return -(-next(w for w in buckets if w >= n_cells) // self.page_size)
-
     def _program(self, kind: str, t: int, window: int):
         """The compiled program for (kind, padded length, window), compiled on first use.
 
@@ -317,61 +275,23 @@ class Engine:
                 jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32)) if window else (None, None, None)
         return select.lower(logits, sa, sp.history, vec, vec, vec, *host, branchless=self.branchless)
 
-    def program_keys(self) -> list[tuple[str, int, int]]:
-        """Every program this engine can run: what `warmup` compiles."""
-        keys = [("prefill", t, 0) for t in self.prefill_buckets()]
-        for w in self.window_buckets():
-            keys += [("prefill", t, self._window_pages(w, self._prefill_windows)) for t in self._continue_buckets()]
-        for b in self._batches:
-            keys += [("decode", b, self._window_pages(w, self._decode_windows)) for w in self._decode_windows]
-        keys += [("row", 0, 0)] + [("select", b, d) for b in self._batches for d in self._dry_buckets(b)]
-        return keys
-
-    def _dry_buckets(self, b: int) -> list[int]:
-        """The DRY-row counts a select of b rows is compiled for: 0 (none), then the batch buckets."""
-        return [0, *(d for d in self._batches if d <= b)]
-
-    def essential_keys(self) -> list[tuple[str, int, int]]:
-        """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or
-        a rest of at most 2 * CONTINUE_BUCKET after a cached prefix of less than MIN_WINDOW) and prompt
-        and answer fit in ESSENTIAL_CELLS (several requests at once: MIN_WINDOW): the smallest prefill
-        buckets, the smallest decode windows, the samplers and the history row."""
-        keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
-        keys += [("prefill", t, self._window_pages(MIN_WINDOW, self._prefill_windows))
-                 for t in self._continue_buckets() if t <= 2 * CONTINUE_BUCKET]
-        for b in self._batches:  # one sequence up to ESSENTIAL_CELLS, several at once in the smallest window
-            keys += [("decode", b, self._window_pages(w, self._decode_windows))
-                     for w in self._decode_windows if w <= (ESSENTIAL_CELLS if b == 1 else MIN_WINDOW)]
-        keys += [("row", 0, 0)] + [("select", b, 0) for b in self._batches]
-        return list(dict.fromkeys(keys))
-
-    def _background_order(self) -> list[tuple[str, int, int]]:
-        """The programs not compiled yet, the likeliest next needs first: small windows (a longer answer,
-        a second turn reusing its prefix) before large ones, then the larger chunks."""
-        rest = [k for k in self.program_keys() if k not in self._compiled]
-        return sorted(rest, key=lambda k: (k[2], k[0] != "decode", k[1]))
-
-    def _continue_buckets(self) -> list[int]:
-        """The buckets of a prompt chunk that starts after cached cells (a reused prefix, or the chunks
-        before it): the prefill buckets from CONTINUE_BUCKET up."""
-        return [b for b in self.prefill_buckets() if b >= CONTINUE_BUCKET] or self.prefill_buckets()[-1:]
-
     def warmup(self, threads: int | None = None, essential: bool | None = None) -> float:
         """Compile every program this engine can use, or with `essential` (default: `lazy_compile`)
-        only `essential_keys`; returns the seconds spent (wall clock). A progress line shows on a
+        only `programs.essential_keys()`; returns the seconds spent (wall clock). A progress line shows on a
         terminal.
 
         XLA compiles outside the GIL, so programs compile in parallel on `threads` (default: CPUs).
         """
         t0 = time.perf_counter()
         essential = self.lazy_compile if essential is None else essential
-        keys = [k for k in (self.essential_keys() if essential else self.program_keys()) if k not in self._compiled]
+        keys = self.programs.essential_keys() if essential else self.programs.keys()
+        keys = [k for k in keys if k not in self._compiled]
         with (stderr_progress().step("bankml: compiling", len(keys), "programs", final=False) as step,
               ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool):
             for _ in pool.map(lambda key: self._program(*key), keys):
                 step.advance()
         spent = time.perf_counter() - t0
-        left = len(self.program_keys()) - len(self._compiled)
+        left = len(self.programs.keys()) - len(self._compiled)
         log.info("compiled %d programs in %.1f s%s", len(keys), spent, f" ({left} more compile later)" if left else "")
         _return_freed_memory()
         return spent
@@ -381,7 +301,7 @@ class Engine:
         the engine serves (it runs beside decoding on the same CPUs), and log when it is done. None:
         nothing was left. The thread holds the engine only while it compiles a program, so an engine
         that is unloaded meanwhile is freed, and the rest of its programs are never compiled."""
-        keys = self._background_order()
+        keys = self.programs.background_order(self._compiled)
         if not keys:
             return None
         engine_ref, stop = weakref.ref(self), self._stop_background
@@ -487,17 +407,9 @@ class Engine:
             table[i, :len(seq.pages)] = seq.pages
         return table
 
-    def prefill_shape(self, start: int, n: int) -> tuple[int, int]:
-        """The bucket (padded tokens) and the window (pages) of a chunk of `n` tokens from `start`."""
-        if start == 0:
-            t = min(self.prefill_chunk, _pow2_at_least(n, MIN_PREFILL_BUCKET))
-        else:
-            t = next(b for b in self._continue_buckets() if b >= n)
-        return t, self._window_pages(start, self._prefill_windows)
-
     def prefill(self, seq: SchedSequence, n: int) -> jax.Array:
         start = seq.n_computed
-        t, window = self.prefill_shape(start, n)
+        t, window = self.programs.prefill_shape(start, n)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = seq.tokens[start:start + n]
         program = self._program("prefill", t, window)
@@ -508,12 +420,12 @@ class Engine:
     def decode(self, seqs: list[SchedSequence]) -> jax.Array:
         """One step for `seqs`, each at `n_computed`; its input token is read on the device, from
         the history row its last select (or its prompt) wrote, never from the host's `next_token`."""
-        b = next(x for x in self._batches if x >= len(seqs))
+        b = next(x for x in self.programs.batches if x >= len(seqs))
         slots = np.full(b, self.max_seqs, np.int32)  # padding rows read the spare row, write nothing
         starts, n_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
             slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1
-        window = self._window_pages(int(starts.max()), self._decode_windows)
+        window = self.programs.window_pages(int(starts.max()), self.programs.decode_windows)
         self.pool, logits = self._program("decode", b, window)(
             self.weights, self.pool, self._history, slots, self._table(seqs, b), starts, n_new)
         return logits
@@ -533,7 +445,7 @@ class Engine:
         for i, seq in enumerate(seqs):
             rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
         # filled while the device computes the step just dispatched (model/host_bias.py)
-        host = host_bias(seqs, b, self._dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
+        host = host_bias(seqs, b, self.programs.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
         if host is not None and ahead and self.needs_host(seqs):
             raise AssertionError("DRY's bias and grammars need the host's tokens: no step ahead (needs_host)")
         program = self._program("select", b, 0 if host is None else host[2].shape[0])
@@ -620,7 +532,7 @@ class Engine:
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits [T, V] for every position of `tokens`, one full forward pass in a scratch pool."""
         n = len(tokens)
-        t = _pow2_at_least(n, MIN_PREFILL_BUCKET)
+        t = pow2_at_least(n, MIN_PREFILL_BUCKET)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = tokens
         n_pages = -(-t // self.page_size)

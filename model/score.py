@@ -93,7 +93,7 @@ def _chunks(engine, tokens: Sequence[int], k: int, *, full: bool):
     start = 0
     while start < n - 1:  # the last token is a target only
         m = min(n - 1 - start, engine.prefill_chunk)
-        t, window = engine.prefill_shape(start, m)
+        t, window = engine.programs.prefill_shape(start, m)
         padded, targets = np.zeros((1, t), np.int32), np.zeros(t, np.int32)
         padded[0, :m], targets[:m] = ids[start:start + m], ids[start + 1:start + 1 + m]
         picked, top_ids, top_lp, pool = _chunk(engine.weights, pool, padded, table, np.array([start], np.int32),

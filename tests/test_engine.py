@@ -260,7 +260,7 @@ def test_no_recompiles_after_warmup(tmp_path, caplog):
 def test_the_largest_prefill_bucket_is_a_setting(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
     engine = Engine.load(path, verified=True, n_ctx=512, warmup=False, prefill_chunk=64)
-    assert engine.prefill_buckets() == [16, 32, 64]
+    assert engine.programs.prefill_buckets() == [16, 32, 64]
     prompt = _prompt(150, seed=11)  # three chunks of 64
     outs = list(engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2)))
     assert _tokens(outs) == _greedy_by_full_forward(engine, prompt, 2)
@@ -288,7 +288,7 @@ def test_a_restart_reuses_the_persistent_compile_cache(tmp_path):
     first = sorted(p.name for p in cache.iterdir())
     # one sequence, one prefill bucket: 6 programs of every kind, enough to show the reuse
     n_programs = len(Engine.load(path, verified=True, n_ctx=256, max_seqs=1, prefill_chunk=16,
-                                 warmup=False).program_keys())
+                                 warmup=False).programs.keys())
     assert len([n for n in first if n.startswith(("jit_run-", "jit_decode-", "jit_select-", "jit_put_row-"))]) == n_programs
     subprocess.run(run, check=True, cwd=Path(__file__).parent.parent, capture_output=True)
     assert sorted(p.name for p in cache.iterdir()) == first

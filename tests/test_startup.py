@@ -173,7 +173,7 @@ def tiny_path(tmp_path_factory):
 def answers_compiled_at_start(tiny_path):
     engine = Engine.load(tiny_path, verified=True, n_ctx=1024, warmup=False)
     engine.warmup()
-    assert len(engine._compiled) == len(engine.program_keys())
+    assert len(engine._compiled) == len(engine.programs.keys())
     return _answers(engine)
 
 
@@ -181,8 +181,8 @@ def test_the_essentials_answer_a_first_request_with_no_compile(tiny_path):
     engine = Engine.load(tiny_path, verified=True, n_ctx=1024, warmup=False)
     engine.lazy_compile = True
     engine.warmup()
-    essential = set(engine.essential_keys())
-    assert set(engine._compiled) == essential < set(engine.program_keys())
+    essential = set(engine.programs.essential_keys())
+    assert set(engine._compiled) == essential < set(engine.programs.keys())
     # windows are in pages of 16: 16 pages hold 256 cells, 32 pages 512, 64 the whole context; one
     # sequence gets 512 cells before bind, several at once 256
     assert ("prefill", 64, 0) in essential and ("decode", 1, 32) in essential and ("decode", 4, 16) in essential
@@ -204,7 +204,7 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
     lowered = collections.Counter()
     shared = ("prefill", 512, 0)  # the background's first program, which the second request needs too
     unneeded = ("prefill", 64, 64)  # no request here needs it: held back until they are all answered
-    assert unneeded in engine.program_keys() and unneeded not in engine.essential_keys()
+    assert unneeded in engine.programs.keys() and unneeded not in engine.programs.essential_keys()
     release_shared, release_unneeded = threading.Event(), threading.Event()
     lower = engine._lower
 
@@ -229,8 +229,8 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
     background.join(120)
     assert not background.is_alive()
     assert got == answers_compiled_at_start
-    assert set(engine._compiled) == set(engine.program_keys())
-    assert set(lowered) == set(engine.program_keys()) - set(engine.essential_keys())
+    assert set(engine._compiled) == set(engine.programs.keys())
+    assert set(lowered) == set(engine.programs.keys()) - set(engine.programs.essential_keys())
     assert max(lowered.values()) == 1
     assert engine.compile_in_background() is None  # nothing left
 
