@@ -311,9 +311,9 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
     --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
-    a bare flag: $BANKML_FORKS, else ~/.local/share/bankml/forks); it must be a directory. The API keys (the flags' and the key
-    file's), the allowed origins (the flags' over the config's) and the chat template file are read and
-    checked here (bankml/serve_files.py), and the receipt key read, or made at the first start
+    a bare flag: $BANKML_FORKS, else ~/.local/share/bankml/forks); it must be a directory. The API
+    keys (the flags' and the key file's), the allowed origins (the flags' over the config's) and the
+    chat template file are read and checked here (bankml/serve_files.py), and the receipt key read, or made at the first start
     (bankml/signing.py)."""
     from bankml import signing  # cryptography: only serve needs it
 

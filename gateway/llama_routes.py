@@ -10,8 +10,8 @@ b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` rea
 MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
 calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
 `/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
-max_seqs` of them), in llama-server's shape; `POST /slots/{id}` is gateway/slot_route.py's. The routes of llama-server we do not serve are refused
-by name in llama_refusals.py.
+max_seqs` of them), in llama-server's shape; `POST /slots/{id}` is gateway/slot_route.py's. The
+routes of llama-server we do not serve are refused by name in llama_refusals.py.
 """
 
 from __future__ import annotations

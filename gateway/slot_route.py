@@ -1,8 +1,8 @@
 """llama-server's `POST /slots/{id}?action=save|restore|erase` with `--slot-dir` (serving.md §6, §4.3).
 
 The checks come in llama-server's order, each its answer: no slot directory is its 501; an id that
-is not a number (negative, or past std::stoi's int) is "Invalid slot ID"; an action other than the three (or none) is
-"Invalid action"; a file name that is missing, not a string, or not a plain name (`filename_ok`,
+is not a number (negative, or past std::stoi's int) is "Invalid slot ID"; an action other than the
+three (or none) is "Invalid action"; a file name that is missing, not a string, or not a plain name (`filename_ok`,
 llama.cpp's fs_validate_filename without subdirectories) is "Invalid filename". An id past the
 slots wraps, as llama-server's get_slot_by_id does (`id % slots`). The action runs on the model's
 engine thread once the slot is idle (model/slots.py): a save that fails is a 500 with its reason,
@@ -50,7 +50,8 @@ async def slot_action(request, state):
         raise NotServed(NO_SLOT_DIR)
     target = request.raw_url.decode("latin-1").partition("?")[0]
     id_text = target.removeprefix("/slots/")
-    if not id_text.isascii() or not id_text.isdigit() or int(id_text) > INT32_MAX:  # std::stoi's range
+    id_slot = int(id_text) if id_text.isascii() and id_text.isdigit() else -1
+    if not 0 <= id_slot <= INT32_MAX:  # std::stoi's range
         raise InvalidRequest("Invalid slot ID")
     action = (query_of(request).get("action") or [""])[0]
     if action not in ACTIONS:
@@ -63,7 +64,7 @@ async def slot_action(request, state):
             raise InvalidRequest("Invalid filename")
     loaded = await state.residency.current()
     engine_thread = loaded.client.thread
-    slot = int(id_text) % max(1, engine_thread.engine.max_seqs)
+    slot = id_slot % max(1, engine_thread.engine.max_seqs)
     sha256 = loaded.verified.model_sha256
     path = os.path.join(state.slot_dir, filename) if filename is not None else None
 
@@ -82,7 +83,7 @@ async def slot_action(request, state):
         raise EngineFailed(f"Unable to save slot: {e}") from None
     except SlotFileError as e:
         raise InvalidRequest(f"Unable to restore slot: {e}") from None
-    id_slot = int(id_text)  # as asked, before the wrap (llama-server answers the task's id_slot)
+    # the id as asked, before the wrap (llama-server answers the task's id_slot)
     if action == "erase":
         return json_response(jstr.dumps({"id_slot": id_slot, "n_erased": done}))
     if action == "save":

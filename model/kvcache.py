@@ -66,9 +66,14 @@ class KVPool:
         return "f32" if self.k.dtype == jnp.float32 else "f16"
 
     @property
+    def arrays(self) -> list[jax.Array]:
+        """k, v, then a q8_0 cache's scales: the fields in order (`KVPool(*arrays)` makes it again)."""
+        return [a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None]
+
+    @property
     def nbytes(self) -> int:
         """The device bytes of the pool, scales included."""
-        return sum(int(a.nbytes) for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None)
+        return sum(int(a.nbytes) for a in self.arrays)
 
 
 def cache_type_refusal(config: Config, cache_type: str) -> str | None:

@@ -449,9 +449,9 @@ class Scheduler:
         return any(seq.slot == slot for seq in self.running)
 
     def hold_kv(self, tokens: list[int]) -> KVHold | None:
-        """Pages holding the K/V of all of `tokens`, held until `release_kv`: the prefix cache's chain
-        first, the rest computed into pages of its own (and published). None, with nothing held, when
-        the pool has no pages for the rest."""
+        """Pages holding the K/V of all of `tokens`, held until `release_kv` (which publishes what was
+        computed): the prefix cache's chain first, the rest computed into pages of its own. None, with
+        nothing held, when the pool has no pages for the rest."""
         page = self.page_size
         digests = page_digests(tokens, page)
         cached = self.pool.hold(digests)
@@ -464,8 +464,6 @@ class Scheduler:
             n = min(len(tokens) - hold.n_computed, self.prefill_budget)
             self.runner.prefill(hold, n)
             hold.n_computed += n
-        for i in range(len(cached), len(tokens) // page):
-            self.pool.publish(hold.pages[i], digests[i])
         return hold
 
     def take_kv(self, n_tokens: int) -> list[int] | None:

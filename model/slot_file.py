@@ -88,6 +88,11 @@ class Slot:
     def cache_type(self) -> str:
         return "f16" if self.k_scale is None else "q8_0"
 
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """k, v, then the scales of q8_0: in the order of KVPool.arrays."""
+        return [a for a in (self.k, self.v, self.k_scale, self.v_scale) if a is not None]
+
 
 def _row_bytes(width: int, cache_type: str) -> int:
     return 2 * width if cache_type == "f16" else width // QK8_0 * (2 + QK8_0)

@@ -39,11 +39,6 @@ def _pages_bucket(pages: list[int], n_pages: int) -> np.ndarray:
     return out
 
 
-def _leaves(pool: KVPool) -> list[jax.Array]:
-    """k, v, then a q8_0 cache's scales: KVPool's fields in order."""
-    return [a for a in (pool.k, pool.v, pool.k_scale, pool.v_scale) if a is not None]
-
-
 @jax.jit
 def _gather(leaf: jax.Array, pages: jax.Array) -> jax.Array:
     """[L, n_pages, Hkv, P, X] -> the listed pages' cells in order, [L, len(pages) * P, Hkv * X]."""
@@ -68,11 +63,16 @@ def expect(engine, model_sha256: str) -> Expect:
     return Expect(model_sha256, engine.n_ctx, c.n_layer, c.n_head_kv * c.head_dim, cache_type, c.n_vocab)
 
 
+def _idle(engine, slot: int):
+    """The engine's scheduler, once `slot` runs no sequence (else SlotBusy)."""
+    if engine.scheduler.slot_busy(slot):
+        raise SlotBusy(slot)
+    return engine.scheduler
+
+
 def save(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotResult:
     t0 = time.perf_counter()
-    sched = engine.scheduler
-    if sched.slot_busy(slot):
-        raise SlotBusy(slot)
+    sched = _idle(engine, slot)
     try:
         want = expect(engine, model_sha256)
     except SlotFileError as e:
@@ -83,7 +83,7 @@ def save(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotR
         raise SlotSaveFailed("no free KV pages to compute the slot's cache in")
     try:
         pages = _pages_bucket(hold.pages, engine.pool.n_pages)
-        cells = [np.asarray(_gather(leaf, pages))[:, :len(tokens)] for leaf in _leaves(engine.pool)]
+        cells = [np.asarray(_gather(leaf, pages))[:, :len(tokens)] for leaf in engine.pool.arrays]
     finally:
         sched.release_kv(tokens, hold.pages)
     data = slot_file.encode(Slot(np.asarray(tokens, np.int64), *cells), want)
@@ -97,9 +97,7 @@ def save(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotR
 def restore(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotResult:
     """SlotFileError (the slot emptied) when the file cannot be restored."""
     t0 = time.perf_counter()
-    sched = engine.scheduler
-    if sched.slot_busy(slot):
-        raise SlotBusy(slot)
+    sched = _idle(engine, slot)
     try:
         want = expect(engine, model_sha256)
         data = slot_file.read(path, want)
@@ -115,8 +113,7 @@ def restore(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> Sl
         ids = _pages_bucket(pages, engine.pool.n_pages)
         rows = len(ids) * engine.page_size
         leaves = []
-        for leaf, cells in zip(_leaves(engine.pool), [a for a in (kv.k, kv.v, kv.k_scale, kv.v_scale) if a is not None],
-                               strict=True):
+        for leaf, cells in zip(engine.pool.arrays, kv.arrays, strict=True):
             padded = np.zeros((cells.shape[0], rows, cells.shape[2]), cells.dtype)
             padded[:, :len(tokens)] = cells
             leaves.append(_scatter(leaf, ids, padded))
@@ -127,6 +124,4 @@ def restore(engine, slot: int, path: str | os.PathLike, model_sha256: str) -> Sl
 
 
 def erase(engine, slot: int) -> int:
-    if engine.scheduler.slot_busy(slot):
-        raise SlotBusy(slot)
-    return engine.scheduler.erase(slot)
+    return _idle(engine, slot).erase(slot)
