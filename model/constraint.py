@@ -48,10 +48,6 @@ class GrammarRejected(ValueError):
     """A grammar or schema llguidance cannot compile; the message is its reason."""
 
 
-def bitmask_words(n_vocab: int) -> int:
-    return (n_vocab + 31) // 32
-
-
 # --- the vocabulary --------------------------------------------------------------------------------
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -141,7 +137,7 @@ class Constraint:
         return Constraint(self._matcher.deep_copy(), self.n_vocab)
 
     def fill(self, row: np.ndarray) -> None:
-        """The tokens allowed next into `row` (int32 [bitmask_words(n_vocab)]): bit set = allowed."""
+        """The tokens allowed next into `row` (int32 [host_bias.bitmask_words(n_vocab)]): bit set = allowed."""
         t0 = time.perf_counter()
         fill_next_token_bitmask(self._matcher, self._scratch, 0)
         n = min(row.shape[0], self._scratch.shape[1])

@@ -26,10 +26,15 @@ from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 
-from model.constraint import bitmask_words
 from model.messages import SamplingParams
 
 NEG_INF = np.float32(-np.inf)
+
+
+def bitmask_words(n_vocab: int) -> int:
+    """int32 words in one row of a token bitmask (llguidance's layout: bit t of word t // 32).
+    Here, not in model/constraint.py, so the engine imports no llguidance until a request is constrained."""
+    return (n_vocab + 31) // 32
 
 
 def needs_pre(p: SamplingParams) -> bool:

@@ -18,6 +18,7 @@ from gateway.chat_request import parse_body, parse_chat_request
 from gateway.completion_request import parse_completion
 from gateway.constraints import attach_constraints, exact_json, read_logit_bias
 from model import constraint as mc
+from model.host_bias import bitmask_words
 from model.messages import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,7 +124,7 @@ def test_each_sequence_gets_its_own_constraint(smollm2):
     tok = smollm2.model.tokenizer
     first = tok.encode("{", False, False)[0]
     assert constraints[0].consume(first)
-    row = [0] * mc.bitmask_words(constraints[1].n_vocab)
+    row = [0] * bitmask_words(constraints[1].n_vocab)
     import numpy as np
 
     fresh, advanced = np.zeros(len(row), np.int32), np.zeros(len(row), np.int32)
