@@ -58,6 +58,13 @@ def use(mode: str) -> Iterator[None]:
         _set(before)
 
 
+def set_mode(mode: str) -> None:
+    """From now on, as `use(mode)` within its block (bench/gpu.py --kernels jnp: the whole run)."""
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    _set(mode)
+
+
 def _set(mode: str) -> None:
     global _mode
     if mode != _mode:
