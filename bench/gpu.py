@@ -28,11 +28,17 @@ tests/conftest.py's fixtures fill; nothing is downloaded). Each goes through the
   intermediate batch size is compiled on the way, and every step reads the smallest window (256 cells);
 - ttft: prompt submitted -> first token for 512- and 2048-token prompts (random ids, no shared prefix;
   first_ms includes compiling the programs it needed, ms is a second prompt of the same length);
+- energy (batch1, each concurrency level, each ttft): the device's own energy counter over the timed
+  steps (NVML's total-energy counter on a GPU, RAPL on a CPU; gpu_monitor's EnergyMeter, as the server
+  meters an answer): energy_j, j_per_token and mean watts, or why it is unmeasured;
 - llama_server: batch-1 decode and ttft through bench/decode.py's LlamaServer (with -ngl 999 on a GPU),
   or why it was skipped.
 
-The JSON is rewritten to --out after every part, so a run cut short by its time box keeps what it did;
-parts that would start past --budget-s say "skipped".
+The parts run in the order that matters most when time is short: batch-1 decode, TTFT at 512, 8 and 128
+sequences, then 32 and 64 sequences and TTFT at 2048. The JSON is rewritten to --out after every part, so
+a run cut short by its time box keeps what it did; parts that would start past --budget-s say "skipped".
+--kernels jnp runs the jnp twins in place of the Triton kernels (kernels/ops.py), for a device where the
+kernels do not run; --no-write never writes a missing synthetic model (the GPU run writes it beforehand).
 """
 
 from __future__ import annotations
@@ -84,8 +90,9 @@ def device_info(peak_override: float | None) -> dict:
 # --- models ------------------------------------------------------------------------------------------
 
 
-def find_models(names: list[str], shape: str, model_dir: Path) -> list[tuple[str, Path | None, str]]:
-    """(name, path or None, note) per asked model; the synthetic one is written if it is missing."""
+def find_models(names: list[str], shape: str, model_dir: Path, write: bool = True) -> list[tuple[str, Path | None, str]]:
+    """(name, path or None, note) per asked model; the synthetic one is written if it is missing (and
+    `write`)."""
     from bankml import default_model
 
     out = []
@@ -94,6 +101,8 @@ def find_models(names: list[str], shape: str, model_dir: Path) -> list[tuple[str
             path = model_dir / f"synthetic-{shape}.gguf"
             if path.exists() and path.with_name(path.name + ".FORK.json").exists():
                 out.append((f"synthetic-{shape}", path, "present"))
+            elif not write:
+                out.append((f"synthetic-{shape}", None, f"absent: {path} (or its FORK.json), and --no-write"))
             else:
                 import synth_gguf
 
@@ -184,6 +193,39 @@ def weight_bytes(engine, path: Path) -> dict:
 # --- measurements ------------------------------------------------------------------------------------
 
 
+class Energy:
+    """The device's energy over a timed stretch, as the server meters an answer (gpu_monitor's EnergyMeter:
+    NVML's total-energy counter on a GPU, RAPL on a CPU). Never fatal: unmeasured says why."""
+
+    def __init__(self) -> None:
+        self.meter, self.why = None, "not started"
+
+    def open(self, on_gpu: bool) -> None:
+        try:
+            from gpu_monitor.sample import Monitor
+
+            self.monitor = Monitor(amdsmi=None)
+            self.meter = self.monitor.energy_meter("gpu" if on_gpu else "cpu")
+        except Exception as e:  # no psutil, no NVML: the bench goes on without energy
+            self.meter, self.why = None, f"{type(e).__name__}: {e}"
+
+    def start(self):
+        return self.meter.start() if self.meter is not None else None
+
+    def stop(self, mark, tokens: int) -> dict:
+        if self.meter is None or mark is None:
+            return {"energy_j": None, "why": self.why}
+        r = self.meter.stop(mark)
+        out = {"energy_j": r.energy_j, "j_per_token": r.joules_per_token(tokens), "tokens": tokens,
+               "seconds": r.elapsed_s, "watts": r.energy_j / r.elapsed_s if r.energy_j and r.elapsed_s else None}
+        if r.energy_j is None:
+            out["why"] = r.unavailable.get("energy_j")
+        return out
+
+
+ENERGY = Energy()
+
+
 def random_prompt(rng: np.random.Generator, n: int, n_vocab: int) -> list[int]:
     """Distinct random ids (no two prompts share a first page), clear of the ids at the vocabulary's ends."""
     return rng.integers(100, max(101, min(n_vocab - 300, 30000)), n).tolist()
@@ -213,12 +255,14 @@ def decode_level(engine, n_seqs: int, prompt: int, steps: int, warm: int, rng) -
             done_warm += pure
         warm_s = time.perf_counter() - t0
         times, tokens = [], 0
+        mark = ENERGY.start()
         for _ in range(steps):
             if not pure_decode():
                 raise RuntimeError(f"a sequence left the batch of {n_seqs} during the timed steps")
             t = time.perf_counter()
             tokens += len(engine.iterate().outputs)
             times.append(time.perf_counter() - t)
+        energy = ENERGY.stop(mark, tokens)
         fwd_ms = forward_ms(engine)
     finally:  # a failed level leaves nothing queued for the next part
         for task in tasks:
@@ -226,7 +270,8 @@ def decode_level(engine, n_seqs: int, prompt: int, steps: int, warm: int, rng) -
     step_ms = sum(times) / steps * 1e3
     out = {"seqs": n_seqs, "aggregate_tok_per_s": tokens / sum(times), "step_ms": step_ms,
            "step_ms_p50": statistics.median(times) * 1e3, "step_ms_p90": float(np.percentile(times, 90)) * 1e3,
-           "steps": steps, "first_token_s": first_token_s, "warm_s": warm_s, "forward_ms": fwd_ms}
+           "steps": steps, "first_token_s": first_token_s, "warm_s": warm_s, "forward_ms": fwd_ms,
+           "energy": energy}
     if isinstance(fwd_ms, float):
         out["host_share"] = max(0.0, 1.0 - fwd_ms / step_ms)
     return out
@@ -283,7 +328,11 @@ def ttft(engine, n_tokens: int, rng) -> dict:
             engine.cancel(task)
 
     first = once()
-    return {"prompt_tokens": n_tokens, "ms": once(), "first_ms": first, "prefill_chunk": engine.prefill_chunk}
+    mark = ENERGY.start()
+    ms = once()
+    energy = ENERGY.stop(mark, n_tokens)  # per token of the prompt here
+    return {"prompt_tokens": n_tokens, "ms": ms, "first_ms": first, "prefill_chunk": engine.prefill_chunk,
+            "energy": energy}
 
 
 def llama_server(path: Path, n_ctx: int, n_vocab: int, prompt_tokens: int, decode_tokens: int,
@@ -353,10 +402,15 @@ def bench_model(run: Run, entry: dict, path: Path, p: dict, args, on_gpu: bool, 
         entry["warmup_programs"] = len(engine._compiled)
     run.save()
 
-    parts = [("batch1", lambda: decode_level(engine, 1, p["prompt"], p["steps"], p["warm"], rng))]
-    parts += [(f"seqs_{n}", lambda n=n: decode_level(engine, n, p["prompt"], p["steps"], p["warm"], rng))
-              for n in p["levels"]]
-    parts += [(f"ttft_{n}", lambda n=n: ttft(engine, n, rng)) for n in p["ttft"]]
+    def level(n: int):
+        return lambda: decode_level(engine, n, p["prompt"], p["steps"], p["warm"], rng)
+
+    levels, prompts = list(p["levels"]), list(p["ttft"])
+    first = [("batch1", level(1)), (f"ttft_{prompts[0]}", lambda: ttft(engine, prompts[0], rng)),
+             (f"seqs_{levels[0]}", level(levels[0])), (f"seqs_{levels[-1]}", level(levels[-1]))]
+    rest = [(f"seqs_{n}", level(n)) for n in levels[1:-1]]
+    rest += [(f"ttft_{n}", lambda n=n: ttft(engine, n, rng)) for n in prompts[1:]]
+    parts = first + rest
     entry["batch1"], entry["concurrency"], entry["ttft"] = None, [], []
     for name, part in parts:
         if run.left_s() <= 0:
@@ -379,8 +433,10 @@ def bench_model(run: Run, entry: dict, path: Path, p: dict, args, on_gpu: bool, 
             entry["batch1"] = got
         elif name.startswith("seqs_"):
             entry["concurrency"].append(got)
+            entry["concurrency"].sort(key=lambda level: level["seqs"])
         else:
             entry["ttft"].append(got)
+            entry["ttft"].sort(key=lambda t: t["prompt_tokens"])
         entry["compile_s"], entry["n_programs"] = engine.compile_s, len(engine._compiled)
         run.save()
     if args.no_llama:
@@ -403,6 +459,9 @@ def main() -> int:
     ap.add_argument("--layout", help="the weights' layout (Engine.load's layout=: packed, dense, device)")
     ap.add_argument("--warmup", action="store_true", help="compile what `bankml serve` does before it binds, first")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even where it is installed")
+    ap.add_argument("--kernels", choices=("auto", "jnp"), default="auto",
+                    help="jnp: the twins in place of the Triton kernels (where the kernels do not run)")
+    ap.add_argument("--no-write", action="store_true", help="never write a missing synthetic model")
     ap.add_argument("--out", type=Path, help="also write the JSON here (after every part)")
     args = ap.parse_args()
     p = QUICK if args.quick else FULL
@@ -416,14 +475,20 @@ def main() -> int:
     run = Run(args.out, args.budget_s)
     device = device_info(args.peak_bw)
     on_gpu = device["platform"] != "cpu"
+    ENERGY.open(on_gpu)
+    if args.kernels == "jnp":
+        from kernels import ops
+
+        ops.set_mode("jnp")
     run.result = {"bench": "bankml gpu", "bankml": __version__, "quick": args.quick, "jax": jax.__version__,
                   "python": platform.python_version(), "device": device,
                   "sizes": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
-                  "prefill_chunk": PREFILL_CHUNK, "models": []}
+                  "prefill_chunk": PREFILL_CHUNK, "kernels": args.kernels,
+                  "triton_call": os.environ.get("BANKML_TRITON_CALL", "auto"), "models": []}
     run.save()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bankml-gpu-bench-") as tmp:
-        for name, path, note in find_models(names, p["shape"], args.model_dir or Path(tmp)):
+        for name, path, note in find_models(names, p["shape"], args.model_dir or Path(tmp), not args.no_write):
             entry = {"model": name, "path": str(path) if path else None, "found": note}
             run.result["models"].append(entry)
             run.save()

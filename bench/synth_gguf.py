@@ -186,9 +186,28 @@ def tensor_chunks(rng: np.random.Generator, numpy_shape: tuple[int, ...], qtype:
 
 
 def write(path: str | Path, shape_name: str, *, seed: int = 0) -> Path:
-    """Write the synthetic `shape_name` model to `path` and its FORK.json to `path`.FORK.json."""
+    """Write the synthetic `shape_name` model to `path` and its FORK.json to `path`.FORK.json.
+
+    Both appear whole or not at all: the model is written and hashed as `path`.partial, then renamed, then
+    its FORK.json (written beside as .partial too) -- so a writer killed part way (a time box) leaves no
+    file that looks finished, and a reader that finds both has the model they pin."""
     shape = SHAPES[shape_name]
     path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    _write_model(partial, shape_name, shape, seed)
+    record = fork_record(partial)
+    record["files"][0]["path"] = path.name
+    record["pinned_from"] = record["pinned_from"].replace(str(partial.resolve()), str(path.resolve()))
+    fork = path.with_name(path.name + ".FORK.json")
+    fork_partial = fork.with_name(fork.name + ".partial")
+    fork_partial.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    fork.unlink(missing_ok=True)  # a FORK.json left by an older file must not pin the new one, even briefly
+    partial.replace(path)
+    fork_partial.replace(fork)
+    return path
+
+
+def _write_model(path: Path, shape_name: str, shape: Shape, seed: int) -> None:
     rng = np.random.Generator(np.random.SFC64(seed))  # the fastest of numpy's generators
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"synthetic-{shape_name}")
@@ -224,15 +243,6 @@ def write(path: str | Path, shape_name: str, *, seed: int = 0) -> Path:
     for _, numpy_shape, qtype in plan:
         w.write_tensor_data(_Stream(nbytes(numpy_shape, qtype), tensor_chunks(rng, numpy_shape, qtype)))
     w.close()
-    write_fork(path)
-    return path
-
-
-def write_fork(path: Path) -> Path:
-    """FILE.FORK.json pinning the file, as `bankml fork FILE` writes it."""
-    fork = path.with_name(path.name + ".FORK.json")
-    fork.write_text(json.dumps(fork_record(path), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return fork
 
 
 def main() -> int:

@@ -55,10 +55,8 @@ Q = gguf.GGMLQuantizationType
 _REPORT: dict = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report_file():
-    """Every test's numbers, written to $BANKML_GPU_REPORT when the module is done."""
-    yield
+def _write_report() -> None:
+    """Every test's numbers so far to $BANKML_GPU_REPORT: after each record, so a run cut short keeps them."""
     path = os.environ.get("BANKML_GPU_REPORT")
     if path:
         doc = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
@@ -68,6 +66,7 @@ def report_file():
 
 def record(request, **values) -> None:
     _REPORT.setdefault(request.node.name, {}).update(values)
+    _write_report()
 
 
 def compiled_triton() -> None:
