@@ -45,8 +45,10 @@ PY = sys.executable
 # seconds per step: on the device, and in the dry run on a 2-core CPU (kernels interpreted)
 BOXES = {
     "env": (45, 120), "synth": (150, 120), "smoke": (75, 300), "smoke_lower": (None, 300),
-    "gpu_tests": (130, 900), "bench": (190, 600), "monitor_tests": (40, 60),
+    "gpu_tests": (130, 900), "attention_diag": (60, 300), "bench": (190, 600), "monitor_tests": (40, 60),
+    "bench_jnp": (110, 300),
 }
+STEPS = ("env", "synth", "smoke", "smoke_lower", "gpu_tests", "attention_diag", "bench", "monitor_tests", "bench_jnp")
 BENCH_BUDGET = {False: 120, True: 400}  # bench/gpu.py --budget-s: no part starts after it
 
 
@@ -58,6 +60,7 @@ class Run:
         self.doc: dict = {"run": "bankml gpu run", "dry_run": dry, "started_utc": _now(), "steps": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._packed_at = 0.0
+        self.only: set[str] = set(STEPS)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -72,7 +75,7 @@ class Run:
         self.doc["elapsed_s"] = round(self.elapsed(), 1)
         for key, name in (("env", "env.json"), ("smoke", "smoke.json"), ("smoke_lower", "smoke_lower.json"),
                           ("synth", "synth.json"), ("bench", "bench.json"), ("bench_jnp", "bench_jnp.json"),
-                          ("usage", "usage.json")):
+                          ("usage", "usage.json"), ("attention_diag", "attention_diag.json")):
             got = _read_json(self.work / name)
             if got is not None:
                 self.doc[key] = got
@@ -111,7 +114,9 @@ class Run:
     def step(self, name: str, cmd: list[str], env: dict | None = None, stdout: Path | None = None,
              box: float | None = None) -> int | None:
         """Run a step to its end or its box (and the run's deadline); record it; pack. Returns its exit
-        code (None: not run, or stopped at its box)."""
+        code (None: not run, or stopped at its box). A step not in --only is not run and not recorded."""
+        if name not in self.only:
+            return None
         limit = self._limit(box if box is not None else self.box(name))
         if limit <= 0:
             self._record(name, None, 0.0, "not started: past the run's deadline")
@@ -251,11 +256,13 @@ try:
     from kernels.triton import call
     env["triton_targets_registered"] = call.registered_targets()
     env["triton_call"] = call.call_target()
-    if call.on_gpu():
-        import triton
-        env["triton_target"] = str(triton.runtime.driver.active.get_current_target())
 except Exception as e:
     env["triton_targets_registered"] = f"{type(e).__name__}: {e}"
+try:
+    import triton
+    env["triton_target"] = str(triton.runtime.driver.active.get_current_target())
+except Exception as e:
+    env["triton_target"] = f"{type(e).__name__}: {e}"
 if shutil.which("nvidia-smi"):
     q = ["nvidia-smi", "--query-gpu=name,memory.total,memory.used,driver_version,clocks.max.sm,clocks.max.mem,"
          "power.limit,temperature.gpu", "--format=csv"]
@@ -272,6 +279,8 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, help="no step starts after this (device 480, dry run 3600)")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("BANKML_GPU_MODELS", "/tmp/bankml-gpu-models")))
     ap.add_argument("--work", type=Path, help="the steps' files (default: a fresh folder under /tmp)")
+    ap.add_argument("--only", help=f"comma-separated steps to run (default: all of {','.join(STEPS)}; the bench "
+                                   "steps need synth)")
     args = ap.parse_args()
     dry = args.cpu_dry_run
     args.out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +289,12 @@ def main() -> int:
     work.mkdir(parents=True)
     run = Run(args.out.resolve(), work, dry, args.deadline_s or (3600 if dry else 480))
     run.doc["host"] = platform.node()
+    if args.only:
+        unknown = set(args.only.split(",")) - set(STEPS)
+        if unknown:
+            ap.error(f"unknown steps {sorted(unknown)}: {', '.join(STEPS)}")
+        run.only = set(args.only.split(","))
+        run.doc["only"] = sorted(run.only)
     run.pack()
 
     # 1. the environment
@@ -289,7 +304,9 @@ def main() -> int:
     shape = "tiny" if dry else "llama3-8b"
     synth_path = args.model_dir / f"synthetic-{shape}.gguf"
     synth = None
-    if synth_path.exists() and synth_path.with_name(synth_path.name + ".FORK.json").exists():
+    if "synth" not in run.only:
+        pass
+    elif synth_path.exists() and synth_path.with_name(synth_path.name + ".FORK.json").exists():
         (work / "synth.json").write_text(json.dumps({"path": str(synth_path), "found": "present"}) + "\n")
     else:
         args.model_dir.mkdir(parents=True, exist_ok=True)
@@ -314,11 +331,15 @@ def main() -> int:
                   "BANKML_GPU_TESTS_LOG": str(work / "gpu_tests.jsonl"),
                   "BANKML_GPU_REPORT": str(work / "gpu_tests_report.json")})
 
+    # where the kernel tests disagreed with the twins: which side is off (bench/gpu_attention_diag.py)
+    run.step("attention_diag", [PY, "bench/gpu_attention_diag.py", str(work / "attention_diag.json")],
+             env={**test_env, **call_env})
+
     # 5. the bench, with /bankml/usage's body sampled beside it
     if synth is not None:  # its box counts from its start, within the run's deadline
         proc, files, t0 = synth
         run.finish("synth", proc, files, t0, min(run.box("synth"), run.deadline_s - (t0 - run.t0)))
-    sampler = run.start("usage", [PY, "bench/gpu_usage_sample.py", str(work / "usage.json"), "--interval-s", "1"])
+    sampler = None if "bench" not in run.only else run.start("usage", [PY, "bench/gpu_usage_sample.py", str(work / "usage.json"), "--interval-s", "1"])
 
     def bench_cmd(name: str, budget: float, *extra: str) -> list[str]:
         return [PY, "bench/gpu.py", "--models", "synth", "--model-dir", str(args.model_dir), "--no-write",
@@ -330,18 +351,16 @@ def main() -> int:
         run.step("bench", bench_cmd("bench", BENCH_BUDGET[dry]), env=kernels_env)
     else:  # no Triton call ran in the smoke: the twins, on the GPU, and said so
         run.step("bench", bench_cmd("bench", BENCH_BUDGET[dry], "--kernels", "jnp"), env=kernels_env)
-    run.stop_sampler(*sampler)
+    if sampler is not None:
+        run.stop_sampler(*sampler)
 
     # 6. the monitor against the real NVML
     run.step("monitor_tests", [*pytest, "tests/test_gpu_monitor_device.py"],
              env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "BANKML_GPU_TESTS_LOG": str(work / "monitor_tests.jsonl")})
 
-    # 7. only where the kernels' engine gave no decode figure: the same bench on the jnp twins, if time is left
-    got = _read_json(work / "bench.json") or {}
-    if got.get("kernels") == "auto" and not any((m.get("batch1") or {}).get("decode_tok_per_s")
-                                                for m in got.get("models", [])):
-        run.step("bench_jnp", bench_cmd("bench_jnp", BENCH_BUDGET[dry] // 2, "--kernels", "jnp"),
-                 env=kernels_env, box=run.box("bench") // 2)
+    # 7. the same bench on the jnp twins (XLA's dequantize-and-dot, its attention): what the Triton kernels
+    # buy, side by side in one run; its first parts only, as time allows
+    run.step("bench_jnp", bench_cmd("bench_jnp", BENCH_BUDGET[dry] // 2, "--kernels", "jnp"), env=kernels_env)
 
     run.doc["finished_utc"] = _now()
     run.pack()

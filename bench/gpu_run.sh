@@ -6,6 +6,7 @@
 #                                              #   machine has, and the wheels install for its Python
 #     bench/gpu_run.sh OUT_DIR --cpu-dry-run   # here: every step on the CPU, small sizes, imports restricted
 #     bench/gpu_run.sh OUT_DIR                 # on the GPU machine: about 7 minutes
+#     bench/gpu_run.sh OUT_DIR --only smoke,bench --deadline-s 300   # some steps (bench/gpu_run.py --help)
 #
 # The GPU machine has no package registry. Its image (bench/gpu_image.txt) has Python 3.12, jax 0.11.2 with
 # its CUDA 13 plugin, triton 3.6, torch, pytest, nvidia-ml-py, psutil; what bankml needs beyond that
@@ -42,8 +43,8 @@ else
     OUT=${1:?usage: bench/gpu_run.sh OUT_DIR [--cpu-dry-run] | --fetch-wheels | --preflight}
     SITE=${BANKML_SITE:-/tmp/bankml-site}
 fi
-DRY=()
-[ "${2:-}" = "--cpu-dry-run" ] && DRY=(--cpu-dry-run)
+DRY=0
+for arg in "${@:2}"; do [ "$arg" = "--cpu-dry-run" ] && DRY=1; done
 
 # the carried wheels: only those whose module the image cannot find (found, not imported: jax_triton's
 # import fails on a CPU jaxlib though it is installed)
@@ -68,11 +69,11 @@ if [ $PREFLIGHT = 1 ]; then
     rm -rf "$SITE"
     exit $rc
 fi
-if [ ${#DRY[@]} -gt 0 ]; then
+if [ $DRY = 1 ]; then
     # the dry run: every Python process imports only what the GPU machine has (bench/gpu_preflight.py)
     export BANKML_GPU_RESTRICT=1
     export PYTHONPATH="$PWD/bench/preflight_site:$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec "$PY" bench/gpu_run.py "$OUT" "${DRY[@]}"
+exec "$PY" bench/gpu_run.py "$OUT" "${@:2}"  # --cpu-dry-run, --only STEPS, --deadline-s S
