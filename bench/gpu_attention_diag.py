@@ -93,6 +93,32 @@ def ftz_probe() -> dict:
             "subnormals_kept": bool(np.array_equal(got, want))}
 
 
+def gemv_bandwidth() -> dict:
+    """Llama 3 8B's FFN matrices in Q4_K at M = 1 (the decode GEMV): the Triton kernel and the jnp twin,
+    each the median of 20 back-to-back calls, as bytes of weight read per second."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels.qlayout import qmatmul_ref, random_raw, to_qweight
+    from kernels.triton.qmatmul import qmatmul
+
+    out = {}
+    for n, k in ((14336, 4096), (4096, 14336)):
+        w = to_qweight(random_raw(12, n, k, seed=3), 12, n, k)
+        nbytes = sum(int(p.nbytes) for p in w.planes)
+        x = jnp.asarray(np.random.default_rng(0).standard_normal((1, k)), jnp.float32)
+        for name, fn in (("triton", jax.jit(qmatmul)), ("jnp", jax.jit(qmatmul_ref))):
+            jax.block_until_ready(fn(x, w))
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(x, w))
+                times.append(time.perf_counter() - t0)
+            med = float(np.median(times))
+            out[f"{name} N={n} K={k}"] = {"us": med * 1e6, "bytes": nbytes, "gb_per_s": nbytes / med / 1e9}
+    return out
+
+
 def main() -> int:
     out_path = Path(sys.argv[1])
     doc: dict = {"diag": "attention kernel vs twin", "cases": []}
@@ -100,7 +126,7 @@ def main() -> int:
     def save() -> None:
         out_path.write_text(json.dumps(doc, indent=1) + "\n")
 
-    for name, fn in (("ftz_probe", ftz_probe),):
+    for name, fn in (("ftz_probe", ftz_probe), ("gemv_bandwidth", gemv_bandwidth)):
         try:
             doc[name] = fn()
         except Exception as e:  # noqa: BLE001 -- a probe that fails says why; the cases still run
