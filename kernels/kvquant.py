@@ -13,6 +13,12 @@ tests/test_kvquant.py ports both. llama.cpp's flash attention over a q8_0 K quan
 converts Q to K's vec_dot_type, ggml-cpu/ops.cpp, ggml_compute_forward_flash_attn_ext_f16_one_chunk) and
 dequantizes V to f32: `as_cached` is that round trip, for Q, K and V alike.
 
+An f32 -> f16 -> f32 round trip inside one XLA program is not a rounding XLA keeps: with its default
+`xla_allow_excess_precision` the GPU compiler removes such convert pairs (seen on an H200: a new token's
+V, or a q8_0 block's d, reached attention unrounded, 2.5e-4 to 3.8e-4 off the CPU's answer, in the twin or
+in the kernel's wrapper depending on how XLA fused the program). `round_f16` rounds with
+`lax.reduce_precision`, which no pass removes, so every backend rounds where llama.cpp stores f16.
+
 Before a quantized cache, llama.cpp rotates (src/llama-kv-cache.cpp `attn_rot_k`/`attn_rot_v` and
 llama-graph.cpp `build_attn`, PR #21038, on unless LLAMA_ATTN_ROT_DISABLE is set): where head_dim % 64 == 0,
 Q and K (after rope) are multiplied by an orthonormal Walsh-Hadamard matrix in blocks of the largest power
@@ -35,11 +41,23 @@ QK8_0 = 32  # values per q8_0 block
 Q8_0_BLOCK_BYTES = 2 + QK8_0  # the f16 d and 32 int8 quants
 
 
+F16_MIN_NORMAL = 2.0**-14
+
+
+def round_f16(x: jax.Array) -> jax.Array:
+    """x f32 rounded to the nearest f16 (ties to even), kept in f32; overflow is inf, as a cast gives.
+    `reduce_precision` for the normal range (XLA keeps it where it would drop a convert pair); the f16
+    subnormals through the cast, whose loss if XLA drops it is below 2^-25 in absolute terms."""
+    x = x.astype(jnp.float32)
+    normal = lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10)
+    return jnp.where(jnp.abs(x) < F16_MIN_NORMAL, x.astype(jnp.float16).astype(jnp.float32), normal)
+
+
 def quantize_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., n] (n % 32 == 0) -> (qs int8 [..., n], d f16 [..., n // 32]), block by block along the last axis."""
     blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // QK8_0, QK8_0)  # [..., NB, 32]
     amax = jnp.max(jnp.abs(blocks), axis=-1)  # [..., NB]
-    d = (amax / jnp.float32(127.0)).astype(jnp.float16)
+    d = round_f16(amax / jnp.float32(127.0)).astype(jnp.float16)  # exact: a dequantize in the same program reads it so
     inv = jnp.where(amax != 0, jnp.float32(127.0) / jnp.where(amax != 0, amax, 1.0), 0.0)
     qs = jnp.round(blocks * inv[..., None]).astype(jnp.int8)  # jnp.round: ties to even, as _MM_ROUND_NEAREST
     return qs.reshape(x.shape), d
@@ -57,7 +75,7 @@ def as_cached(a: jax.Array, cache_type: str = "f16") -> jax.Array:
     if cache_type == "q8_0":
         return dequantize_q8_0(*quantize_q8_0(a))
     if cache_type == "f16":
-        return a.astype(jnp.float16).astype(jnp.float32)
+        return round_f16(a)
     if cache_type == "f32":
         return a.astype(jnp.float32)
     raise ValueError(f"no KV cache type {cache_type!r} (one of {', '.join(CACHE_TYPES)})")
