@@ -2,9 +2,12 @@
 
     python bench/gpu_attention_diag.py OUT.json
 
-The first GPU run (bench/results/2026-12-04-h200-first-contact) found the decode and prefill kernels
+The first GPU run (bench/results/2026-12-04-h200-run1-first-contact) found the decode and prefill kernels
 within 1e-6 of their twins on most shapes but 2.5e-4 to 3.8e-4 off on a few (tests/test_gpu_kernels.py's
-inputs; the same inputs agree to 1e-7 under Triton's interpreter on a CPU). For those shapes this
+inputs; the same inputs agree to 1e-7 under Triton's interpreter on a CPU). This step showed why (run 2):
+the side that was off, the kernel's wrapper or the twin on the device, had skipped the f16 rounding of the
+new token's K/V, which XLA's GPU compiler drops as excess precision (fixed: kernels/kvquant.py
+`round_f16`). It stays in the run: a regression shows at once which side moved. For those shapes it
 compares three results: the kernel on the device, the twin on the device, and the twin on the CPU (plain
 f32 arithmetic at HIGHEST precision, the reference); the element that differs most (row, head, dim) and
 that row's start. And it probes whether the device flushes f16 subnormals when a kernel splits an f32

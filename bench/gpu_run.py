@@ -5,7 +5,8 @@
 
 Standard library only (it runs before anything is known to import). Each step is a child process in its
 own time box, its stdout and stderr kept; a step that fails says why and the next one still runs. The
-steps, on the device within about 7 minutes (`--deadline-s`, 480 by default there; no step starts past it):
+steps, on the device within about 8 minutes (`--deadline-s`, 480 by default there; no step starts past it,
+and one that would outrun it gets what is left):
 
 1. env: Python and packages, JAX's devices and memory, Triton's target, the custom-call targets jaxlib
    registers, nvidia-smi;
@@ -13,11 +14,14 @@ steps, on the device within about 7 minutes (`--deadline-s`, 480 by default ther
    written whole or not at all) under --model-dir (kept between runs on one machine);
 3. smoke: bench/gpu_smoke.py, three kernels against their twins under each Triton call target; the target
    that ran is what every later step uses (BANKML_TRITON_CALL), and with none, the bench runs the jnp twins;
-4. gpu_tests: tests/test_gpu_kernels.py (marker gpu), one JSON line per test as it ends;
+4. gpu_tests: tests/test_gpu_kernels.py (marker gpu), one JSON line per test as it ends; then
+   attention_diag: bench/gpu_attention_diag.py (kernel, device twin and CPU twin compared; the decode
+   GEMV's bandwidth);
 5. bench: bench/gpu.py on the synthetic model (batch-1 decode, TTFT 512, 8 and 128 sequences first;
    energy per token from NVML's counter), while bench/gpu_usage_sample.py takes /bankml/usage's body
    once a second (VRAM, busy %, watts);
-6. monitor_tests: tests/test_gpu_monitor_device.py against the real NVML.
+6. monitor_tests: tests/test_gpu_monitor_device.py against the real NVML;
+7. bench_jnp: the bench's first parts again on the jnp twins in place of the Triton kernels.
 
 The device tool brings back at most 8 files, so OUT holds two, rewritten after every step and every 15 s
 within one: run.json (every step's JSON, merged, with a summary) and logs.tar.gz (the work directory:
@@ -45,9 +49,10 @@ PY = sys.executable
 # seconds per step: on the device, and in the dry run on a 2-core CPU (kernels interpreted)
 BOXES = {
     "env": (45, 120), "synth": (150, 120), "smoke": (75, 300), "smoke_lower": (None, 300),
-    "gpu_tests": (130, 900), "attention_diag": (60, 300), "bench": (190, 600), "monitor_tests": (40, 60),
+    "gpu_tests": (170, 900), "attention_diag": (60, 300), "bench": (190, 600), "monitor_tests": (40, 60),
     "bench_jnp": (110, 300),
-}
+}  # on the H200 (bench/results/2026-12-04-h200-*): env 8-11 s, smoke 13-17, gpu_tests 126-140+, diag 29,
+#    synth 140 (beside them), bench 118-127, monitor_tests 2, bench_jnp 74
 STEPS = ("env", "synth", "smoke", "smoke_lower", "gpu_tests", "attention_diag", "bench", "monitor_tests", "bench_jnp")
 BENCH_BUDGET = {False: 120, True: 400}  # bench/gpu.py --budget-s: no part starts after it
 
