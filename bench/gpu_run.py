@@ -369,6 +369,8 @@ def main() -> int:
 
     run.doc["finished_utc"] = _now()
     run.pack()
+    if args.work is None:  # everything is in OUT now
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(run.doc["summary"], indent=1, default=str))
     return 1 if run.doc["summary"]["steps_failed"] else 0
 
