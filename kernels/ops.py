@@ -47,11 +47,8 @@ _seen_types: set[str] = set()  # matrix types qmatmul was traced with, for the r
 @contextlib.contextmanager
 def use(mode: str) -> Iterator[None]:
     """Within the block, run the Triton kernels ("triton"), the twins ("jnp"), or the platform's choice ("auto")."""
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
     before = _mode
-    _set(mode)
+    set_mode(mode)
     try:
         yield
     finally:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kernels.kvquant import round_f16  # an f16 rounding XLA keeps (a convert pair it may drop)
+
 # ggml type id -> the activation rounding its CPU dot product uses. Types not here (F32) take f32.
 ACT_KIND = {2: "q8_0", 6: "q8_0", 8: "q8_0", 3: "q8_1", 7: "q8_1",
             10: "q8_K", 11: "q8_K", 12: "q8_K", 13: "q8_K", 14: "q8_K"}
@@ -43,11 +45,11 @@ def q8_32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     xb = _blocks(x, 32)
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
     d = amax / jnp.float32(127)
-    d16 = d.astype(jnp.float16).astype(jnp.float32)
+    d16 = round_f16(d)
     iscale = jnp.where(amax != 0, jnp.float32(127) / jnp.where(amax != 0, amax, 1), 0)
     q = jnp.round(xb * iscale)  # half to even, as _mm256_round_ps(_MM_ROUND_NEAREST)
     qsum = jnp.sum(q, axis=-1, keepdims=True)  # exact: |sum| <= 4064
-    s_err = (d * qsum).astype(jnp.float16).astype(jnp.float32) - d16 * qsum
+    s_err = round_f16(d * qsum) - d16 * qsum
     return (q * d16).reshape(x.shape), s_err[..., 0]
 
 
