@@ -287,6 +287,9 @@ def main() -> int:
     ap.add_argument("--only", help=f"comma-separated steps to run (default: all of {','.join(STEPS)}; the bench "
                                    "steps need synth)")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else set(STEPS)
+    if only - set(STEPS):
+        ap.error(f"unknown steps {sorted(only - set(STEPS))}: {', '.join(STEPS)}")
     dry = args.cpu_dry_run
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(f"/tmp/bankml-gpu-run-{os.getpid()}")
@@ -294,12 +297,9 @@ def main() -> int:
     work.mkdir(parents=True)
     run = Run(args.out.resolve(), work, dry, args.deadline_s or (3600 if dry else 480))
     run.doc["host"] = platform.node()
+    run.only = only
     if args.only:
-        unknown = set(args.only.split(",")) - set(STEPS)
-        if unknown:
-            ap.error(f"unknown steps {sorted(unknown)}: {', '.join(STEPS)}")
-        run.only = set(args.only.split(","))
-        run.doc["only"] = sorted(run.only)
+        run.doc["only"] = sorted(only)
     run.pack()
 
     # 1. the environment

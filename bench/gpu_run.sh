@@ -57,7 +57,7 @@ for whl in bench/wheels/*.whl; do
 done
 if [ ${#need[@]} -gt 0 ]; then
     mkdir -p "$SITE"
-    if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${need[@]}" >&2; then
+    if ! "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "${need[@]}" >&2; then
         echo "[gpu_run] pip failed: unzipping the wheels instead" >&2
         for whl in "${need[@]}"; do "$PY" -m zipfile -e "$whl" "$SITE"; done
     fi
