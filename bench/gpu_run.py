@@ -64,6 +64,9 @@ class Run:
         self.deadline_s = deadline_s
         self.doc: dict = {"run": "bankml gpu run", "dry_run": dry, "started_utc": _now(), "steps": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # run 4's env step could not query Triton's target: "Could not create or locate cache dir" under the
+        # image's HOME; every step gets one beside the work folder (not in it: the work folder is packed)
+        self.env.setdefault("TRITON_CACHE_DIR", f"{work}-triton-cache")
         self._packed_at = 0.0
         self.only: set[str] = set(STEPS)
 
