@@ -358,8 +358,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_create(args: argparse.Namespace) -> int:
     """`bankml create NAME -f Modelfile`: Ollama's status lines on stdout, the manifest in the registry."""
-    from gateway.derived import create
-    from gateway.registry import Registry
+    from gateway.serving.derived import create
+    from gateway.serving.registry import Registry
 
     directory = os.path.expanduser(args.registry or default_registry_dir())  # bare or absent: the default
     try:

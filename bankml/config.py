@@ -53,7 +53,7 @@ class ServeConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """The loopback rules (gateway/loopback.py enforces them) and P0's bound on llama-server's answers."""
+    """The loopback rules (gateway/http/loopback.py enforces them) and P0's bound on llama-server's answers."""
 
     max_connections: int = 32  # more open connections: 503
     max_body_bytes: int = 16 << 20  # 413

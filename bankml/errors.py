@@ -2,7 +2,7 @@
 
 An error is raised where it arises, as its class, with the message a user reads. What it becomes is
 decided here, by its class, never by its text: the HTTP status per API (OpenAI's `/v1`, llama-server's
-own routes, Ollama's `/api/*`) and the exit code of the `bankml` command. gateway/errors.py renders
+own routes, Ollama's `/api/*`) and the exit code of the `bankml` command. gateway/http/errors.py renders
 them in each API's shape; bankml/cli.py takes its exit codes from `exit_code`.
 
 Imports neither sanic nor jax: the gate, the CLI and the engine all raise these.

@@ -2,7 +2,7 @@
 
 Start-up order: take the file's identity, verify it (guard, then pin), canonicalise the path and take
 the identity again; a file that changed while it was hashed is refused (bankml.verify.gate_model).
-Then P0 (gateway/p0.py, in front of llama-server) or, with --native, the native gateway
+Then P0 (gateway/p0/app.py, in front of llama-server) or, with --native, the native gateway
 (gateway/app.py). Any refusal prints `bankml serve: refuse: <why>` and exits 2 with no socket bound.
 """
 
@@ -32,7 +32,7 @@ def serve(path: str, fork_text: str, options: ServeOptions, fork_path: str | Non
     print(f"bankml serve: verified {gated.path}: sha256 {v.model_sha256}, arch {v.arch}, name {v.name}",
           file=sys.stderr, flush=True)
     if not options.native:  # P0: in front of llama-server, --spawn or --upstream
-        from gateway.p0 import run_p0
+        from gateway.p0.app import run_p0
 
         return run_p0(gated, options)
     from gateway.app import run_gateway

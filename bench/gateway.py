@@ -93,7 +93,7 @@ def bench_stream(port: int, tokens: int) -> dict:
 
 
 def bench_direct(model: str, ctx: int, tokens: int) -> dict:
-    from gateway.native_model import NativeModel
+    from gateway.serving.native_model import NativeModel
     from model.engine import Engine
     from model.messages import SamplingParams
 

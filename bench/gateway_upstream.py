@@ -4,7 +4,7 @@
         [--tokens 64] [--rounds 5] [--threads 2] [--env KEY=VALUE ...]
     python bench/gateway_upstream.py --mock      # tests/mock_llama_server.py as the engine
 
-It starts the P0 gateway (tests/p0_launch.py: the gate, then gateway.p0.run_p0) with `--spawn` on
+It starts the P0 gateway (tests/p0_launch.py: the gate, then gateway.p0.app.run_p0) with `--spawn` on
 free ports, so both addresses are live at once, then alternates between them (so a busy machine
 weighs on both sides alike):
 - /health: one request per connection on each side (the gateway closes every connection, so the

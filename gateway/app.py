@@ -31,28 +31,28 @@ from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
-from gateway import (
-    bankml_routes,
-    completion_route,
+from gateway.http.access import Access
+from gateway.http.loopback import Limits, make_protocol
+from gateway.http.sanic_app import bind, sanic_app
+from gateway.http.shutdown import Shutdown
+from gateway.monitor import bankml_routes
+from gateway.monitor import routes as monitor_routes
+from gateway.monitor.monitoring import Monitoring
+from gateway.ollama import chat as ollama_chat
+from gateway.ollama import create as ollama_create
+from gateway.ollama import models as ollama_models
+from gateway.ollama.embed import embed as ollama_embed
+from gateway.ollama.embed import embeddings as ollama_embeddings
+from gateway.openai import completion as completion_route
+from gateway.openai import (
     llama_routes,
-    monitor_routes,
-    ollama_chat,
-    ollama_create,
-    ollama_models,
-    slot_route,
+    refusals,  # issue 15 C
 )
-from gateway import llama_refusals as refusals  # issue 15 C
-from gateway.access import Access
-from gateway.chat_route import chat_completions
-from gateway.embeddings import embedding, oai_embeddings
-from gateway.loopback import Limits, make_protocol
-from gateway.monitoring import Monitoring
-from gateway.ollama_embed import embed as ollama_embed
-from gateway.ollama_embed import embeddings as ollama_embeddings
-from gateway.registry import Registry
-from gateway.residency import Estimate, Loader, Residency
-from gateway.sanic_app import bind, sanic_app
-from gateway.shutdown import Shutdown
+from gateway.openai import slots as slot_route
+from gateway.openai.chat import chat_completions
+from gateway.openai.embeddings import embedding, oai_embeddings
+from gateway.serving.registry import Registry
+from gateway.serving.residency import Estimate, Loader, Residency
 from gpu_monitor import limiter
 from model import device_budget
 
@@ -127,7 +127,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/cors-proxy"): refusals.feature_disabled,
     ("GET", "/tools"): refusals.feature_disabled,
     ("POST", "/tools"): refusals.feature_disabled,
-    # issue 15 B: embeddings (gateway/embeddings.py, gateway/ollama_embed.py; the engine's model/embed.py)
+    # issue 15 B: embeddings (gateway/openai/embeddings.py, gateway/ollama/embed.py; the engine's model/embed.py)
     ("POST", "/v1/embeddings"): oai_embeddings,
     ("POST", "/embeddings"): embedding,  # llama-server's alias of /embedding (its shape, recorded)
     ("POST", "/embedding"): embedding,

@@ -1,6 +1,6 @@
 """The ggml tensor types this engine loads: the one table (kernels/dequant.py dequantizes exactly these).
 
-Its own module, free of jax, so the gateway can judge a model file's header (gateway/registry.py)
+Its own module, free of jax, so the gateway can judge a model file's header (gateway/serving/registry.py)
 without importing the numeric stack.
 """
 

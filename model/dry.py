@@ -17,7 +17,7 @@ import numpy as np
 
 # llama_sampler_init_dry (src/llama-sampling.cpp): a breaker is cut to 40 characters (bytes), its tail
 # to 20 tokens. llama.cpp sets no limit on how many breakers a request names; each costs one pass over
-# the vocabulary there, so the gateway bounds their number (gateway/request_fields.py, MAX_DRY_BREAKERS).
+# the vocabulary there, so the gateway bounds their number (gateway/serving/request_fields.py, MAX_DRY_BREAKERS).
 MAX_CHAR_LEN = 40
 MAX_SEQ_LEN = 20
 # log(FLT_MAX): the exponent is clamped so the penalty stays finite

@@ -1,6 +1,6 @@
 """The thread that owns one model's engine on the device, and drives its scheduler.
 
-Each resident model has its own (gateway/residency.py starts one per load and stops it on a drop), so
+Each resident model has its own (gateway/serving/residency.py starts one per load and stops it on a drop), so
 answers from one model go on while another loads; nothing but this thread touches its engine.
 
 A request's path through it: the gateway calls `submit(request, emit)`; the request waits in a FIFO

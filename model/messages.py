@@ -38,7 +38,7 @@ class SamplingParams:
     """Per-request parameters, with llama.cpp's meanings and defaults (common/common.h).
 
     The sampler fields become [B] arrays on the device, so no value ever recompiles. The GGUF's
-    `general.sampling.*` keys replace some defaults (gateway/request_fields.py, `gguf_defaults`).
+    `general.sampling.*` keys replace some defaults (gateway/serving/request_fields.py, `gguf_defaults`).
     """
 
     temperature: float = 0.8  # <= 0: greedy

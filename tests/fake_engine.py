@@ -82,7 +82,7 @@ class FakeEngine(GeneratorBatch):
     def warmup(self) -> float:
         return 0.25
 
-    # embeddings (gateway/embeddings.py, ollama_embed.py): mean pooling, n_embd numbers per input
+    # embeddings (gateway/openai/embeddings.py, ollama_embed.py): mean pooling, n_embd numbers per input
     pooling = 1
     n_embd = 8
     n_vocab = 49152  # SmolLM2's: recorded token inputs are in range (the fake's own tokens are bytes)

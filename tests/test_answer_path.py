@@ -22,7 +22,7 @@ from gateway_helpers import FakeServer, tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 
 from bankml import __version__
-from gateway.engine_client import EngineClient
+from gateway.serving.engine_client import EngineClient
 from model.engine_thread import EngineThread
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
 

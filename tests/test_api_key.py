@@ -19,9 +19,9 @@ from gateway_helpers import EdgeServer, connect, exchange, read_all, request_byt
 from bankml import serve_files
 from bankml.cli import main
 from bankml.errors import ConfigInvalid
-from gateway import access as access_module
-from gateway.access import Access
-from gateway.loopback import Head
+from gateway.http import access as access_module
+from gateway.http.access import Access
+from gateway.http.loopback import Head
 
 pytestmark = pytest.mark.timeout(120)
 

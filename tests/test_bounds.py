@@ -20,10 +20,10 @@ from gateway_helpers import FakeServer, tiny_model
 from tiny_gguf import write_tiny_gguf
 
 from bankml.errors import BankmlError
-from gateway.chat_request import parse_chat
-from gateway.errors import error_body, status_of
-from gateway.native_model import NativeModel
-from gateway.request_fields import MAX_DRY_BREAKERS, MAX_STOP_BYTES, MAX_STOPS
+from gateway.http.errors import error_body, status_of
+from gateway.openai.chat_request import parse_chat
+from gateway.serving.native_model import NativeModel
+from gateway.serving.request_fields import MAX_DRY_BREAKERS, MAX_STOP_BYTES, MAX_STOPS
 from model import tokenizer_bpe
 from model.dry import MAX_CHAR_LEN, MAX_SEQ_LEN, RestartCache, restart_sequences
 from model.engine import Engine
@@ -289,7 +289,7 @@ def test_a_chain_of_thousands_of_rules_parses():
 
 
 def test_a_schema_llguidance_cannot_read_is_a_400_before_the_model(server):
-    # 1e400 is no double: llguidance's reason, before any model work (gateway/constraints.py)
+    # 1e400 is no double: llguidance's reason, before any model work (gateway/serving/constraints.py)
     body = b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", ' \
            b'"json_schema": {"schema": {"type": "number", "maximum": 1e400}}}}'
     r = post_raw(server, body)
@@ -352,7 +352,7 @@ def test_a_client_gone_is_not_logged_as_an_unhandled_error(caplog):
 
     from sanic.exceptions import RequestCancelled
 
-    from gateway.errors import GatewayErrorHandler
+    from gateway.http.errors import GatewayErrorHandler
 
     with caplog.at_level(logging.INFO, logger="bankml.gateway"):
         GatewayErrorHandler("not found").default(SimpleNamespace(method="POST", path="/v1/chat/completions"),

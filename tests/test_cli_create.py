@@ -12,7 +12,7 @@ import pytest
 from gateway_helpers import tiny_model
 
 from bankml.cli import main
-from gateway.derived import read_manifest
+from gateway.serving.derived import read_manifest
 
 HERE = Path(__file__).resolve().parent
 BASE = "Cli-Base.Q8_0.gguf"

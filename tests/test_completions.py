@@ -16,8 +16,8 @@ from fake_engine import REPLY, REPLY_PIECES
 from gateway_helpers import FakeServer, sse_data, tiny_model
 
 from bankml.errors import InvalidRequest, NotSupported
-from gateway.completion_request import parse_completion, prompt_tokens
-from gateway.completion_writer import nested_values
+from gateway.openai.completion_request import parse_completion, prompt_tokens
+from gateway.openai.completion_writer import nested_values
 from model.messages import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -354,8 +354,8 @@ def test_the_shapes_are_the_recorded_ones(server):
 def test_infill_builds_llama_servers_prompt_and_reads_completions_fields(smollm2_path):
     """The route's /infill step on a SmolLM2 whose header names FIM tokens (as helper C's recording):
     the FIM refusal first, the body checks, /completion's fields, then llama-server's logged prompt."""
-    from gateway.completion_route import _infill_prompts
-    from gateway.native_model import NativeModel
+    from gateway.openai.completion import _infill_prompts
+    from gateway.serving.native_model import NativeModel
     from model.tokenizer import Tokenizer, gguf_fields
 
     small = json.loads((Path(__file__).parent / "fixtures" / "llama_small_smollm2.json").read_text())

@@ -20,7 +20,7 @@ from tiny_gguf import write_tiny_gguf
 from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
-from gateway.derived import (
+from gateway.serving.derived import (
     Layer,
     apply_ollama,
     apply_openai,
@@ -34,8 +34,8 @@ from gateway.derived import (
     read_manifest,
     show_fields,
 )
-from gateway.modelfile import parse_modelfile
-from gateway.registry import Registry
+from gateway.serving.modelfile import parse_modelfile
+from gateway.serving.registry import Registry
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 BASE = "Base-Model.Q8_0.gguf"

@@ -20,9 +20,9 @@ from fake_engine import fake_embedding
 from gateway_helpers import FakeServer, tiny_model
 
 from bankml.errors import RequestFailed
-from gateway.embeddings import EmbeddingRequest, check_task, input_prompts, normalize
-from gateway.native_model import NativeModel
-from gateway.ollama_embed import float32_json, go_float32, ollama_normalize
+from gateway.ollama.embed import float32_json, go_float32, ollama_normalize
+from gateway.openai.embeddings import EmbeddingRequest, check_task, input_prompts, normalize
+from gateway.serving.native_model import NativeModel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +102,7 @@ def test_inputs_split_and_tokenize_as_llama_server(smollm2_model, name):
 
 # depend on SmolLM2's tokenizer (the fake's is one token per byte) or are served otherwise (dimensions)
 COUNTED = {"too_large", "too_large_llama"}
-# the JSON parser's own words are gateway/chat_request.py's (shared with /v1/chat/completions)
+# the JSON parser's own words are gateway/openai/chat_request.py's (shared with /v1/chat/completions)
 PARSER = {"not_json"}
 OURS = {"dimensions_other", "dimensions_same"}
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gateway_helpers import CliServer
 
-from gateway.embeddings import normalize
+from gateway.openai.embeddings import normalize
 from model.pooling import POOLING_CLS, POOLING_LAST, POOLING_MEAN, POOLING_NONE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

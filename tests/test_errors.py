@@ -32,7 +32,7 @@ from bankml.errors import (
     exit_code,
 )
 from bankml.pin import fork_record
-from gateway.errors import Api, GatewayErrorHandler, api_of, error_body, render, stream_error
+from gateway.http.errors import Api, GatewayErrorHandler, api_of, error_body, render, stream_error
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +69,7 @@ def test_statuses_that_clients_rely_on():
 
 
 def test_context_exceeded_keeps_llama_servers_extra_keys_in_order():
-    from gateway.errors import exceed_context
+    from gateway.http.errors import exceed_context
 
     e = exceed_context(5000, 4096)
     assert isinstance(e, ContextExceeded)

@@ -20,7 +20,7 @@ from gateway_helpers import FakeServer, connect, exchange, request_bytes, split_
 from prometheus_client.parser import text_string_to_metric_families
 
 from bankml.errors import EngineGone, Overloaded
-from gateway.errors import Api, render
+from gateway.http.errors import Api, render
 from model.chat_template import render_chat
 
 pytestmark = pytest.mark.timeout(120)
@@ -474,6 +474,5 @@ def test_slots_lists_every_sequence_slot(pinned):
 
 def test_p0_serves_no_slots_of_its_own():
     # behind llama-server, /slots stays llama-server's (its entries carry every client's prompt): not passed on
-    from gateway import p0
-
+    from gateway.p0 import app as p0
     assert ("GET", "/slots") not in p0.ROUTES

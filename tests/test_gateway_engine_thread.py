@@ -13,7 +13,7 @@ import pytest
 from batch_adapter import GeneratorBatch
 
 from bankml.errors import Overloaded
-from gateway.engine_client import EngineClient
+from gateway.serving.engine_client import EngineClient
 from model.engine_thread import EngineThread, EngineThreadFailed
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
 

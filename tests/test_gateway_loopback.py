@@ -21,7 +21,15 @@ from gateway_helpers import (
     tiny_model,
 )
 
-from gateway.loopback import CHUNKED_REFUSED, Head, HeadReader, Limits, Refusal, check_head, loopback_host
+from gateway.http.loopback import (
+    CHUNKED_REFUSED,
+    Head,
+    HeadReader,
+    Limits,
+    Refusal,
+    check_head,
+    loopback_host,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

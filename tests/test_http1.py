@@ -1,4 +1,4 @@
-"""gateway/http1.py (P0's client to llama-server) and Upstream's limits, against scripted servers.
+"""gateway/p0/http1.py (P0's client to llama-server) and Upstream's limits, against scripted servers.
 
 Each test runs a tiny asyncio server whose answers are written byte by byte, so the framing,
 reuse and refusal rules are seen on the wire: how many connections were opened, what was read.
@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from gateway.http1 import HttpError, Pool, TooLarge
-from gateway.upstream import Upstream, UpstreamTooLarge
+from gateway.p0.http1 import HttpError, Pool, TooLarge
+from gateway.p0.upstream import Upstream, UpstreamTooLarge
 
 pytestmark = pytest.mark.timeout(60)
 

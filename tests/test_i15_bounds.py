@@ -12,7 +12,7 @@ import pytest
 from gateway_helpers import FakeServer, tiny_model
 
 from bankml.errors import Overloaded
-from gateway.embeddings import MAX_INPUTS
+from gateway.openai.embeddings import MAX_INPUTS
 from model.engine_thread import EngineThread
 from model.messages import GenerateRequest, SamplingParams
 
@@ -101,7 +101,7 @@ def test_tokenize_with_pieces_renders_each_distinct_token_once(smollm2_path, mon
     written as text (through jstr.dumps, one dict per token, such a body held a thread for over ten
     minutes), with the bytes llama-server's shape had before."""
     from bankml import jstr
-    from gateway.llama_text import tokenize_body, tokenize_json
+    from gateway.openai.tokenize import tokenize_body, tokenize_json
     from model.tokenizer import Tokenizer
 
     model = _Model(Tokenizer.from_gguf(smollm2_path))
@@ -121,8 +121,8 @@ def test_a_huge_prompt_string_is_tokenized_only_until_it_cannot_fit(smollm2_path
     """A 6 MiB prompt is the exceed-context 400 after about twice the context's tokens (the count "at
     least"), not after tokenizing all 3M of them; a prompt a little too long keeps its exact count."""
     from bankml.errors import ContextExceeded
-    from gateway.completion_request import prompt_tokens
-    from gateway.native_model import NativeModel
+    from gateway.openai.completion_request import prompt_tokens
+    from gateway.serving.native_model import NativeModel
     from model.tokenizer import Tokenizer
 
     model = NativeModel(Tokenizer.from_gguf(smollm2_path), 2048, None, SamplingParams())
@@ -135,7 +135,7 @@ def test_a_huge_prompt_string_is_tokenized_only_until_it_cannot_fit(smollm2_path
 
 
 def test_detokenize_looks_each_distinct_id_up_once(monkeypatch):
-    from gateway.llama_text import detokenize_body
+    from gateway.openai.tokenize import detokenize_body
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_embd_normalize_past_a_c_int_is_a_400_naming_it(server):
 
 
 def test_tokenize_with_pieces_is_bounded_and_the_ids_are_not(server):
-    from gateway.llama_text import MAX_PIECES
+    from gateway.openai.tokenize import MAX_PIECES
 
     content = "a" * (MAX_PIECES + 1)  # the fake's tokenizer: one token per byte
     r = post(server, "/tokenize", {"content": content, "with_pieces": True})

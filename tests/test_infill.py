@@ -1,4 +1,4 @@
-"""The /infill prompt (gateway/infill.py) against llama-server b11434's recorded answers
+"""The /infill prompt (gateway/openai/infill.py) against llama-server b11434's recorded answers
 (tests/fixtures/llama_small_smollm2.json, by tests/fixtures/record_llama_small.py).
 
 SmolLM2 has no FIM tokens: llama-server refuses /infill on it (501). The prompts were recorded on
@@ -16,9 +16,9 @@ import pytest
 from fake_engine import FakeTokenizer
 
 from bankml.errors import InvalidRequest, NotServed
-from gateway.errors import Api, error_body, status_of
-from gateway.infill import check_infill_body, infill_prompt, require_fim
-from gateway.native_model import NativeModel
+from gateway.http.errors import Api, error_body, status_of
+from gateway.openai.infill import check_infill_body, infill_prompt, require_fim
+from gateway.serving.native_model import NativeModel
 from model.messages import SamplingParams
 from model.tokenizer import Tokenizer, gguf_fields
 

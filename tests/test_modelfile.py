@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from bankml.errors import InvalidRequest
-from gateway.modelfile import (
+from gateway.serving.modelfile import (
     ModelSpec,
     format_number,
     parse_commands,

@@ -19,10 +19,10 @@ from gpu_monitor_fakes import MEMINFO, FakeGpu, add_card, add_rapl, make_pynvml,
 from prometheus_client.parser import text_string_to_metric_families
 
 from bankml.errors import ConfigInvalid
-from gateway.answer_metrics import KEEP, SOURCE, MetricsRing, answer_record
-from gateway.engine_client import EngineClient
-from gateway.monitoring import Monitoring
-from gateway.prometheus import PromMetrics
+from gateway.monitor.answer_metrics import KEEP, SOURCE, MetricsRing, answer_record
+from gateway.monitor.monitoring import Monitoring
+from gateway.monitor.prometheus import PromMetrics
+from gateway.serving.engine_client import EngineClient
 from gpu_monitor.energy import EnergyReading
 from gpu_monitor.readings import read_text
 from gpu_monitor.sample import Monitor

@@ -1,5 +1,5 @@
-"""/api/chat and /api/generate answers: Ollama's shapes (gateway/ollama_shapes.py) and the whole path over
-the fake engine (gateway/ollama_chat.py), with the real `ollama` client too."""
+"""/api/chat and /api/generate answers: Ollama's shapes (gateway/ollama/shapes.py) and the whole path over
+the fake engine (gateway/ollama/chat.py), with the real `ollama` client too."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from gateway_helpers import FakeServer, tiny_model
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from bankml.signing import ReceiptKey
-from gateway import ollama_chat
-from gateway.ollama_shapes import created_at, final_object, logprob_entry, piece_line
+from gateway.ollama import chat as ollama_chat
+from gateway.ollama.shapes import created_at, final_object, logprob_entry, piece_line
 from model.messages import FinishReason, LogprobEntry, StepOutput, Timeline, TopLogprob
 
 CREATED_AT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$")

@@ -11,7 +11,7 @@ import ollama
 import pytest
 from gateway_helpers import FakeServer, tiny_model
 
-from gateway.derived import read_manifest
+from gateway.serving.derived import read_manifest
 
 BASE = "Http-Base.Q8_0.gguf"
 
@@ -174,8 +174,7 @@ def test_the_bodies_are_parsed_off_the_event_loop(monkeypatch):
     from types import SimpleNamespace
 
     from bankml.errors import InvalidRequest
-    from gateway import ollama_create
-
+    from gateway.ollama import create as ollama_create
     threads = []
     real = ollama_create.read_body
 

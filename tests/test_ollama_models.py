@@ -20,10 +20,10 @@ from bankml import __version__
 from bankml.errors import BankmlError, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
-from gateway import ollama_models
-from gateway.derived import create
-from gateway.errors import Api, status_of
-from gateway.registry import Registry
+from gateway.http.errors import Api, status_of
+from gateway.ollama import models as ollama_models
+from gateway.serving.derived import create
+from gateway.serving.registry import Registry
 
 RFC3339_NS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$")
 DETAILS_KEYS = ["parent_model", "format", "family", "families", "parameter_size", "quantization_level"]

@@ -1,4 +1,4 @@
-"""Reading /api/chat and /api/generate bodies (gateway/ollama_request.py): the spec's order (§1.1),
+"""Reading /api/chat and /api/generate bodies (gateway/ollama/request.py): the spec's order (§1.1),
 each option's rule and message (§1.2), keep_alive's forms (§2), logprobs (§1.4), and the empty prompt
 that only loads or unloads, before any model work."""
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import pytest
 
 from bankml.errors import InvalidRequest, ModelNotFound
-from gateway.derived import Layer
-from gateway.ollama_request import parse_ollama
+from gateway.ollama.request import parse_ollama
+from gateway.serving.derived import Layer
 from model.messages import SamplingParams
 
 N_CTX = 4096
@@ -50,7 +50,7 @@ class FakeDerived:
 
 
 class FakeRegistry:
-    """registry.resolve as gateway/registry.py's contract has it: absent is the startup model."""
+    """registry.resolve as gateway/serving/registry.py's contract has it: absent is the startup model."""
 
     def __init__(self):
         self.pins = [FakePin("smollm2", FakeInfo(GGUF)), FakePin("absent", None)]

@@ -1,7 +1,7 @@
 """P0: bankml serve in front of llama-server (`--spawn`, `--upstream`), against tests/mock_llama_server.py.
 
 Each gateway runs as `bankml serve` would run it (tests/p0_launch.py: the options, the gate, then
-gateway.p0.run_p0) in its own process, so start-up refusals, exit codes, signals and orphans are
+gateway.p0.app.run_p0) in its own process, so start-up refusals, exit codes, signals and orphans are
 real. The engine is the mock, launched through a wrapper script as `--spawn BIN` would launch
 llama-server, or started by the test for `--upstream` (tests/p0_helpers.py). test_p0_oracle.py does
 the same against a real llama-server.
@@ -37,8 +37,8 @@ from p0_helpers import (
 )
 
 from bankml.verify import FileIdentity
-from gateway.p0_chat import ENGINE_MOVED, FILE_CHANGED, token_counts, with_receipt
-from gateway.spawn import llama_server_argv
+from gateway.p0.chat import ENGINE_MOVED, FILE_CHANGED, token_counts, with_receipt
+from gateway.p0.spawn import llama_server_argv
 
 pytestmark = pytest.mark.timeout(180)
 

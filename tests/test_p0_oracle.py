@@ -14,7 +14,7 @@ import pytest
 from gateway_helpers import free_port
 from p0_helpers import Gateway, chat_body, receipt_event, sha, stream_text, wait_for, wait_gone
 
-from gateway.p0_chat import FILE_CHANGED
+from gateway.p0.chat import FILE_CHANGED
 
 pytestmark = [pytest.mark.oracle, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""Fitting a conversation to num_ctx as Ollama's chatPrompt does (gateway/prompt_fit.py, spec §4.4),
+"""Fitting a conversation to num_ctx as Ollama's chatPrompt does (gateway/serving/prompt_fit.py, spec §4.4),
 over a fake model whose every word is one token."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bankml.errors import InvalidRequest
-from gateway.prompt_fit import chat_prompt, fit_messages, raw_prompt
+from gateway.serving.prompt_fit import chat_prompt, fit_messages, raw_prompt
 from model.tokenizer_bpe import TokenLimitExceeded
 
 

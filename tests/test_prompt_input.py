@@ -1,4 +1,4 @@
-"""One reader of a request's prompts (gateway/prompt_input.py, llama-server's tokenize_input_prompts)
+"""One reader of a request's prompts (gateway/serving/prompt_input.py, llama-server's tokenize_input_prompts)
 for /completion, /v1/completions and the embedding routes: what b11434 recorded on one route holds on
 the others, only the field named in the empty list's 400 differs."""
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 from gateway_helpers import FakeServer, tiny_model
 
-from gateway.prompt_input import ELEMENTS
+from gateway.serving.prompt_input import ELEMENTS
 
 pytestmark = pytest.mark.timeout(120)
 

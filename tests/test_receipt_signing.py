@@ -31,7 +31,7 @@ from p0_helpers import Engine, Gateway, chat_body, receipt_event
 from bankml import jstr, signing
 from bankml.cli import main
 from bankml.errors import ReceiptInvalid
-from gateway.receipt import Tally
+from gateway.serving.receipt import Tally
 
 pytestmark = pytest.mark.timeout(180)
 

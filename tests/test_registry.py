@@ -19,8 +19,8 @@ from tiny_gguf import write_tiny_gguf
 from bankml.errors import InvalidRequest, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
-from gateway.derived import create, write_manifest
-from gateway.registry import Registry, human_number
+from gateway.serving.derived import create, write_manifest
+from gateway.serving.registry import Registry, human_number
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_twenty_pins_build_from_headers_only(tmp_path, tiny_file):
 
 
 def test_judging_headers_imports_no_jax():
-    code = "import sys, gateway.registry, gateway.ollama_models; print('jax' in sys.modules)"
+    code = "import sys, gateway.serving.registry, gateway.ollama.models; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

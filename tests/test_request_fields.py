@@ -11,9 +11,9 @@ import re
 import pytest
 
 from bankml.errors import NotSupported
-from gateway.chat_request import parse_chat
-from gateway.json_values import f32, get_int
-from gateway.request_fields import gguf_defaults
+from gateway.http.json_values import f32, get_int
+from gateway.openai.chat_request import parse_chat
+from gateway.serving.request_fields import gguf_defaults
 from model.gbnf import GrammarError, parse_gbnf
 from model.messages import SamplingParams
 

@@ -21,8 +21,8 @@ from gateway_helpers import FakeServer, connect, registry_dir, request_bytes, st
 from bankml.errors import EngineFailed, InvalidRequest, ModelNotFound, ModelUnusable
 from bankml.pin import fork_record
 from bankml.verify import gate_model
-from gateway.registry import Registry
-from gateway.residency import FOREVER, Residency
+from gateway.serving.registry import Registry
+from gateway.serving.residency import FOREVER, Residency
 from model.messages import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,7 +265,7 @@ def test_touch_sets_expiry_forever_or_unloads(world_of):
 def test_a_keep_alive_past_gos_longest_duration_is_forever_and_ps_still_answers(world_of):
     # keep_alive 1e17 (or "1e17", or "99999999999h") once stored an expiry no date can write:
     # every /api/ps was a 500 while the model stayed resident
-    from gateway.ollama_models import ps_entry
+    from gateway.ollama.models import ps_entry
 
     w = world_of()
 

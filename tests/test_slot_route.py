@@ -1,4 +1,4 @@
-"""`POST /slots/{id}?action=save|restore|erase` (gateway/slot_route.py): llama-server's refusals, in its
+"""`POST /slots/{id}?action=save|restore|erase` (gateway/openai/slots.py): llama-server's refusals, in its
 order, on the fake engine; a save and a restore across a restart of the real server, on a tiny model."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 import pytest
 from gateway_helpers import CliServer, FakeServer, tiny_model
 
-from gateway.slot_route import filename_ok
+from gateway.openai.slots import filename_ok
 
 
 def post(server, path: str, body=None, upstream: bool = False) -> httpx.Response:

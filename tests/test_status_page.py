@@ -24,8 +24,8 @@ from gateway_helpers import EdgeServer, FakeServer, tiny_model
 from gpu_monitor_fakes import MEMINFO, FakeGpu, add_card, make_pynvml, write, write_proc
 
 from bankml import jstr
-from gateway.monitor_routes import status_page
-from gateway.monitoring import Monitoring
+from gateway.monitor.monitoring import Monitoring
+from gateway.monitor.routes import status_page
 from gpu_monitor.sample import Monitor
 
 pytestmark = pytest.mark.timeout(180)

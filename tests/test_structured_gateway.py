@@ -1,4 +1,4 @@
-"""The gateway's side of structured output (gateway/constraints.py): response_format, json_schema and
+"""The gateway's side of structured output (gateway/serving/constraints.py): response_format, json_schema and
 grammar read as llama-server reads them (server-common.cpp oaicompat_chat_params_parse, server-task.cpp
 params_from_json_cmpl), exact schema numbers, logit_bias / ignore_eos / n_probs honoured, and one
 Constraint per sequence compiled with SmolLM2's tokenizer (a 400 with llguidance's reason before any
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from bankml.errors import InvalidRequest, NotSupported
-from gateway.chat_request import parse_body, parse_chat_request
-from gateway.completion_request import parse_completion
-from gateway.constraints import attach_constraints, exact_json, read_logit_bias
+from gateway.openai.chat_request import parse_body, parse_chat_request
+from gateway.openai.completion_request import parse_completion
+from gateway.serving.constraints import attach_constraints, exact_json, read_logit_bias
 from model import constraint as mc
 from model.host_bias import bitmask_words
 from model.messages import GenerateRequest, SamplingParams
@@ -160,7 +160,7 @@ def test_logit_bias_strings_are_tokenized_and_out_of_range_dropped(smollm2):
 
 
 def test_ollama_format():
-    from gateway.constraints import ollama_format_grammar
+    from gateway.serving.constraints import ollama_format_grammar
 
     assert ollama_format_grammar(None) is None and ollama_format_grammar("") is None
     assert ollama_format_grammar("json") == mc.json_object_grammar()  # Ollama's grammarJSON: root ::= object
@@ -172,7 +172,7 @@ def test_ollama_format():
 
 
 def test_metrics_record_carries_grammar_ms():
-    from gateway.answer_metrics import answer_record
+    from gateway.monitor.answer_metrics import answer_record
     from model.messages import FinishReason, StepOutput
 
     last = StepOutput(token=1, finish_reason=FinishReason.STOP, grammar_ms=1.23456)

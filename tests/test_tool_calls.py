@@ -1,4 +1,4 @@
-"""gateway/tool_calls.py without a model: the request's tools read, the plan each template format makes,
+"""gateway/serving/tool_calls.py without a model: the request's tools read, the plan each template format makes,
 the answer parsed back, and the streamed deltas assembling to the parsed answer."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bankml.errors import InvalidRequest, NotSupported
-from gateway import tool_calls as tc
+from gateway.serving import tool_calls as tc
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

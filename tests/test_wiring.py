@@ -16,7 +16,7 @@ import pytest
 from jax import export
 from tiny_gguf import write_tiny_gguf
 
-from gateway.bankml_routes import bankml_info
+from gateway.monitor.bankml_routes import bankml_info
 from kernels import ops
 from kernels.qlayout import QWeight, qmatmul_ref, random_raw, to_qweight
 from model import wiring_check

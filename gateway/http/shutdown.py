@@ -1,0 +1,113 @@
+"""How a server stops (SIGTERM, SIGINT): no new connections, the answers in flight finish within a
+grace period, and those still running then are ended as well as their state allows.
+
+`Shutdown` is shared by the listeners of one server (loopback.make_protocol); every connection
+registers with it, and the app's before-stop listener awaits `stop()` (sanic_app.py, p0.py), before
+Sanic's own shutdown, which then finds nothing left to wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from typing import Protocol
+
+log = logging.getLogger("bankml.gateway")
+
+SHUTTING_DOWN = "bankml serve is shutting down"
+ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200 ms) get to reach the wire
+
+
+class Connection(Protocol):
+    """What a stop needs from a connection (loopback.LoopbackProtocol has it)."""
+
+    @property
+    def in_flight(self) -> bool: ...
+
+    def refuse_head(self) -> None: ...
+
+    def end_for_shutdown(self) -> None: ...
+
+
+class Shutdown:
+    """The open connections of a server's listeners, and how they end when it stops (SIGTERM, SIGINT).
+
+    `stop()`, once, on the serving loop: stop listening (a new connection is refused by the kernel);
+    answer 503 to every connection still sending its head; let the answers in flight finish for up to
+    `grace_s`; then end each one left: a stream with an SSE error event, an answer not yet started with
+    a 503, anything else (a plain answer half written) is cut. Sanic's own shutdown runs after this and
+    finds nothing left to wait for.
+    """
+
+    def __init__(self, grace_s: float = 10.0):
+        self.grace_s = grace_s
+        self._listeners: list[tuple[int, int, tuple]] = []  # (fd, family, address) of each listening socket
+        self.open: set[Connection] = set()
+        self._none_open = asyncio.Event()
+        self._stopping: asyncio.Future | None = None
+
+    def add_listener(self, sock: socket.socket) -> None:
+        """Call before the server takes the socket: the event loop may detach it from its object."""
+        self._listeners.append((sock.fileno(), sock.family, sock.getsockname()))
+
+    def add(self, conn: Connection) -> None:
+        self.open.add(conn)
+        self._none_open.clear()
+
+    def discard(self, conn: Connection) -> None:
+        self.open.discard(conn)
+        if not self.open:
+            self._none_open.set()
+
+    async def stop(self) -> None:
+        # Sanic runs its stop listeners once per listener: the second call waits for the first
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        for fd, family, address in self._listeners:
+            _stop_listening(fd, family, address)
+        in_flight = sum(conn.in_flight for conn in self.open)
+        log.info("stopping: no new connections; %d answer(s) in flight get up to %g s", in_flight, self.grace_s)
+        for conn in list(self.open):
+            conn.refuse_head()
+        if not await self._none_open_within(self.grace_s):
+            log.info("stopping: %d answer(s) still running after %g s are ended", len(self.open), self.grace_s)
+            for conn in list(self.open):
+                conn.end_for_shutdown()
+            await self._none_open_within(ENDED_CLOSE_S)
+
+    async def _none_open_within(self, timeout_s: float) -> bool:
+        if not self.open:
+            return True
+        try:
+            await asyncio.wait_for(self._none_open.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+def _stop_listening(fd: int, family: int, address: tuple) -> None:
+    """Close a listening socket under the event loop's feet, safely: a fresh unbound socket is put in
+    its place (dup2 is atomic), so the loop's watcher still names a valid fd, one that never fires, and
+    the listener itself is gone, so connect() is refused at once. Sanic keeps the loop's server objects
+    to itself (the first listener's in a local variable), so closing those is not an option; and the fd
+    is checked first, so one the loop has already closed and reused is left alone."""
+    try:
+        with socket.fromfd(fd, family, socket.SOCK_STREAM) as probe:  # a dup: closing it leaves fd open
+            if not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or probe.getsockname() != address:
+                return
+    except OSError:
+        return
+    with socket.socket(family, socket.SOCK_STREAM) as blank:
+        os.dup2(blank.fileno(), fd)
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    # the shape of gateway/openai/chat_writer.py's error_event, llama-server's error object
+    return b"data: " + json.dumps({"error": {"code": status, "message": message,
+                                             "type": "unavailable_error"}}).encode() + b"\n\n"

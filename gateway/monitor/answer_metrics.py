@@ -1,0 +1,116 @@
+"""`GET /bankml/metrics`: one record per completed answer, in a ring of 256 (README, "Monitoring").
+
+The record is the Rust bankml's (metrics.rs), key for key and rounded as it rounds, then ours:
+- times: the engine thread's timeline of the answer (model/messages.py, `Timeline`). t0 is when the
+  answer's turn on the engine came, so time queued is excluded. `prompt_ms` runs from t0 to the
+  first token, `eval_ms` from it to the last, `ttft_ms` from t0 to the first token that released
+  text (the same TTFT as the receipt's and Prometheus' bankml_ttft_seconds).
+- rates: `prompt_tps = (prompt - cached) / prompt s` and `eval_tps = completion / eval s` (the
+  end-of-generation token counts, as llama-server counts it), each null unless both terms are > 0.
+- `grammar_ms`: the host time the answer's grammar cost (its masks and advances, measured by
+  model/constraint.py's Constraint; 0 for an unconstrained answer). `resampled` is 0: the mask is applied
+  before the sampler chain, so no token is ever drawn, refused and drawn again.
+- energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
+  when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
+  tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
+Added after its keys: `queue_ms`, how long the answer waited for a sequence (behind `max_seqs`
+running ones) before its turn came; `package_energy_j` and `gpu_energy_j` (both counters, whichever the
+engine runs on), `energy_overlapped` (another answer ran during this one: device counters cannot
+split it) and `unavailable`.
+
+Totals are sums over the kept records; energy over the measured ones only. They fall as records age
+out, so lifetime counters live in Prometheus (gateway/monitor/prometheus.py), never here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from gpu_monitor.readings import rounded
+from model.messages import StepOutput
+
+KEEP = 256
+SOURCE = "bankml metrics.rs (measured in the engine)"  # the Rust bankml's constant, kept for its clients
+
+
+def _rate(n: int, ms: float) -> float | None:
+    return rounded(n / (ms / 1e3), 2) if n > 0 and ms > 0 else None
+
+
+def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> dict[str, Any]:
+    """The record of one completed answer, from its final StepOutput (its timeline and energy)."""
+    why: dict[str, str] = {}
+    energy, energy_why, ttft_ms = last.energy, last.energy_why, last.ttft_ms
+    if energy is None:
+        energy_j = package_j = gpu_j = None
+        overlapped = False
+        for key in ("energy_j", "package_energy_j", "gpu_energy_j"):
+            why[key] = energy_why or "no energy reading"
+    else:
+        energy_j, package_j, gpu_j = energy.energy_j, energy.package_energy_j, energy.gpu_energy_j
+        overlapped = energy.overlapped
+        why.update(energy.unavailable)
+    per_token = None
+    if energy_j is not None and last.completion_tokens > 0:
+        per_token = energy_j / last.completion_tokens
+    elif energy_j is not None:
+        why["joules_per_token"] = "no completion tokens"
+    if ttft_ms is None:
+        why["ttft_ms"] = "the answer has no text"
+    if last.timeline is None:
+        why["queue_ms"] = "the engine stamped no timeline"
+    return {
+        "at": rounded(time.time() if at is None else at, 3),
+        "model": model,
+        "prompt_tokens": last.prompt_tokens,
+        "cached_tokens": last.cached_tokens,
+        "completion_tokens": last.completion_tokens,
+        "prompt_ms": rounded(last.prompt_ms, 1),
+        "ttft_ms": rounded(ttft_ms, 1),
+        "eval_ms": rounded(last.predicted_ms, 1),
+        "prompt_tps": _rate(last.prompt_tokens - last.cached_tokens, last.prompt_ms),
+        "eval_tps": _rate(last.completion_tokens, last.predicted_ms),
+        "finish": last.finish_reason.value if last.finish_reason else None,
+        "grammar_ms": rounded(float(last.grammar_ms), 3),
+        "resampled": 0,
+        "energy_j": rounded(energy_j, 3),
+        "joules_per_token": rounded(per_token, 4),
+        "queue_ms": rounded(last.timeline.queue_ms, 1) if last.timeline is not None else None,
+        "package_energy_j": rounded(package_j, 3),
+        "gpu_energy_j": rounded(gpu_j, 3),
+        "energy_overlapped": overlapped,
+        "unavailable": why,
+    }
+
+
+class MetricsRing:
+    """The last KEEP records, oldest first. Appended on the event loop, read by the routes."""
+
+    def __init__(self, keep: int = KEEP):
+        self.records: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._lock = threading.Lock()  # P0 or a test may append from another thread
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def json_dict(self, source: str = SOURCE) -> dict[str, Any]:
+        with self._lock:
+            records = list(self.records)
+        measured = [r for r in records if r["energy_j"] is not None]
+        energy_j = sum(r["energy_j"] for r in measured) if measured else None
+        measured_tokens = sum(r["completion_tokens"] for r in measured)
+        return {
+            "source": source,
+            "kept": len(records),
+            "keep": self.records.maxlen,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+            "completion_tokens": sum(r["completion_tokens"] for r in records),
+            "energy_j": rounded(energy_j, 3),
+            "joules_per_token": rounded(energy_j / measured_tokens, 4) if energy_j is not None and measured_tokens
+            else None,
+            "records": records,
+        }

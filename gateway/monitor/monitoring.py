@@ -1,0 +1,158 @@
+"""The monitor inside a running gateway: usage sampler, energy meter, the ring of answers, Prometheus.
+
+One `Monitoring` per app. It measures nothing on the request path: each resident model's engine
+thread holds its energy meter (`meter`, set on every thread by the residency) and stamps each
+request's timeline and energy into the final `StepOutput` (model/engine_thread.py). The native chat
+route reads the engine client directly and hands the monitor what came out:
+
+    with state.monitoring.answer() as answer:
+        async with held.loaded.client.generate(request) as generation:
+            async for out in generation:
+                ...
+        answer.record(model, last)        # a completed answer: one /bankml/metrics record
+
+`record` builds the record from the final output, appends it to the ring, and feeds the lifetime
+Prometheus counters. Errors and abandoned answers push nothing to the ring (it holds completed
+answers only) and count in `bankml_answers_total{finish="error"|"abort"}` when the `with` block is
+left without a record. The running and waiting gauges are the engine threads' own counts, summed over
+the resident models; the KV pool's and prefix cache's series are the most recently used model's
+scheduler's last snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from bankml import __version__
+from bankml.errors import Overloaded
+from gateway.monitor.answer_metrics import MetricsRing, answer_record
+from gateway.monitor.prometheus import PromMetrics
+from gpu_monitor.readings import rounded
+from gpu_monitor.sample import Monitor
+from model.engine_thread import EngineThread
+from model.messages import EngineStats, StepOutput
+
+STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
+
+
+class Engines(Protocol):
+    """The engine threads of the resident models (gateway.serving.residency.Residency has them)."""
+
+    def threads(self) -> list[EngineThread]: ...
+
+    def most_recent(self) -> Any: ...  # a Loaded (its client.thread), or None
+
+
+class Answer:
+    """One answer, as the monitor counts it: `record` it once it completed; leaving the `with` block
+    without a record counts it as abandoned (the handler was cancelled: its client went away) or as
+    an error (anything else: the engine failed, or the handler did), except `Overloaded`: the request
+    never queued (503), and counts in `bankml_requests_overloaded_total` alone."""
+
+    def __init__(self, monitoring: Monitoring):
+        self._monitoring = monitoring
+        self.recorded = False
+
+    def __enter__(self) -> Answer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, Overloaded):  # refused before it queued: no answer
+            self._monitoring.prom.overloaded.inc()
+            return
+        if not self.recorded:
+            abandoned = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+            self._monitoring.prom.ended_unfinished("abort" if abandoned else "error")
+
+    def record(self, model: str, last: StepOutput) -> dict[str, Any]:
+        """Push the completed answer's record (ring and Prometheus) and return it."""
+        rec = answer_record(model, last)
+        m = self._monitoring
+        m.ring.append(rec)
+        latency_ms = last.timeline.latency_ms if last.timeline else 0.0
+        m.prom.observe_answer(rec, ttft_s=None if last.ttft_ms is None else last.ttft_ms / 1e3,
+                              latency_s=latency_ms / 1e3)
+        self.recorded = True
+        return rec
+
+
+class Monitoring:
+    """The monitor's state for one app. `whoami()` gives the /bankml body (what was verified)."""
+
+    def __init__(self, monitor: Monitor, *, whoami: Callable[[], Mapping[str, Any]], mode: str,
+                 root_text: str, energy_device: str = "cpu", engine_thread: EngineThread | None = None,
+                 engines: Engines | None = None):
+        """engine_thread: one engine (the tests'); engines: the resident models' (native); neither: P0."""
+        self.monitor = monitor
+        self.whoami = whoami
+        self.mode = mode  # "native" or "p0"
+        self.root_text = root_text  # GET / for clients that are not browsers
+        # energy_device: "cpu" or "gpu", where the engine runs, hence which counter energy_j reads
+        self.meter = monitor.energy_meter(device=energy_device)
+        self.engine_thread = engine_thread
+        self.engines = engines  # neither: P0, no engine in this process
+        if engine_thread is not None:
+            engine_thread.meter = self.meter
+        self.ring = MetricsRing()
+        self.prom = PromMetrics(self.flights, self._model_info, self.engine_stats)
+        self.started_s = time.monotonic()
+
+    def answer(self) -> Answer:
+        return Answer(self)
+
+    def flights(self) -> tuple[int, int] | None:
+        """(running, waiting) requests on the engines, summed; None when no engine runs in this process (P0)."""
+        threads = self._threads()
+        if threads is None:
+            return None
+        counts = [t.in_flight() for t in threads]
+        return sum(r for r, _ in counts), sum(w for _, w in counts)
+
+    def engine_stats(self) -> EngineStats | None:
+        """The most recently used model's scheduler's last snapshot (None: none yet, the engine thread is
+        gone, or P0)."""
+        if self.engines is not None:
+            recent = self.engines.most_recent()
+            return recent.client.thread.stats() if recent is not None else None
+        return self.engine_thread.stats() if self.engine_thread is not None else None
+
+    def _threads(self) -> list[EngineThread] | None:
+        if self.engines is not None:
+            return self.engines.threads()
+        return [self.engine_thread] if self.engine_thread is not None else None
+
+    def _model_info(self) -> dict[str, str]:
+        try:
+            info = self.whoami()
+        except Exception:
+            return {}
+        verified = info.get("verified") or {}
+        if not verified:
+            return {}
+        return {"model": os.path.basename(str(info.get("model") or "")), "sha256": verified.get("model_sha256", ""),
+                "arch": verified.get("arch") or "", "engine": str(info.get("engine") or "")}
+
+    async def status(self) -> dict[str, Any]:
+        """`GET /bankml/status`: what the status page shows, in one answer."""
+        usage = await self.monitor.get_usage()
+        metrics = self.ring.json_dict()
+        kept = metrics["records"]
+        metrics["records"] = kept[-STATUS_RECORDS:]
+        running, waiting = self.flights() or (None, None)
+        return {
+            "bankml": __version__,
+            "at": rounded(time.time(), 3),
+            **self.whoami(),
+            "serve": {"mode": self.mode, "pid": os.getpid(),
+                      "uptime_s": rounded(time.monotonic() - self.started_s, 1),
+                      "energy_device": self.meter.device, "requests_running": running, "requests_waiting": waiting},
+            "usage": usage,
+            "metrics": metrics,
+        }
+
+    def close(self) -> None:
+        self.monitor.close()

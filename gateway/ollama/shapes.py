@@ -1,0 +1,106 @@
+"""`/api/chat` and `/api/generate` answers in Ollama's shapes (spec §1.3, §1.4), written in bankML's JSON
+style (bankml/jstr.py: `", "` and `": "` separators, keys in a fixed order).
+
+- a streamed answer is NDJSON: one line per non-empty piece, `{"model", "created_at", "message":
+  {"role": "assistant", "content"[, "tool_calls"]} | "response", "done": false[, "logprobs"]}`, then the
+  final object; an answer's tool calls (Ollama's form, gateway/tool_calls.ollama_calls) come whole, on
+  a line of their own before the final one, or in the whole answer's message;
+- the final object: `{"model", "created_at", "message"|"response" (empty when streamed, the whole text
+  when not), "done": true, "done_reason", "total_duration", "load_duration", "prompt_eval_count",
+  "prompt_eval_duration", "eval_count", "eval_duration", "bankml_cache_n", ["logprobs"],
+  "bankml_receipt"}`; a load or unload (an empty prompt) stops after "load_duration";
+- durations are integer nanoseconds: total from the request, load the verify + open this request
+  waited for, prompt and eval from the engine thread's timeline (model/messages.py Timeline);
+  `eval_count` is the engine's completion count, the end-of-turn token included;
+- a logprob entry is Ollama's (api/types.go Logprob): `{"token", "logprob", "bytes"?,
+  "top_logprobs"?}`, no `id`; empty `bytes` and an empty top list are left out; `token` is cut before a
+  character its bytes leave unfinished. The receipt's `logprobs_sha256` covers the arrays as written
+  (gateway/serving/receipt.py: the lines' entries joined into one array are the same text).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from bankml import jstr
+from model.detokenizer import complete_utf8_text
+from model.messages import LogprobEntry, StepOutput
+
+NDJSON = "application/x-ndjson"
+
+
+def created_at(t: float) -> str:
+    """`t` (unix seconds) in RFC 3339, UTC, with exactly 9 fractional digits and "Z" (spec §1.3)."""
+    seconds = math.floor(t)
+    ns = min(999_999_999, round((t - seconds) * 1e9))
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
+
+
+def created_at_ns(t_ns: int) -> str:
+    """The same, from integer nanoseconds (time.time_ns()), every digit exact."""
+    seconds, ns = divmod(t_ns, 1_000_000_000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
+
+
+def logprob_entry(e: LogprobEntry, top: int) -> dict:
+    """One token's entry in Ollama's shape, its top list cut to `top`."""
+    out: dict[str, Any] = {"token": complete_utf8_text(e.text), "logprob": e.logprob}
+    if e.text:
+        out["bytes"] = list(e.text)
+    tops = []
+    for t in e.top[:top]:
+        entry: dict[str, Any] = {"token": complete_utf8_text(t.piece), "logprob": t.logprob}
+        if t.piece:
+            entry["bytes"] = list(t.piece)
+        tops.append(entry)
+    if tops:
+        out["top_logprobs"] = tops
+    return out
+
+
+def _content(kind: str, text: str, tool_calls: list[dict] | None = None) -> dict:
+    if kind != "chat":
+        return {"response": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"message": message}
+
+
+def piece_line(tag: str, kind: str, piece: str, logprobs: list[dict] | None = None,
+               tool_calls: list[dict] | None = None) -> bytes:
+    """One NDJSON line of a streamed answer (the calls, Ollama's form, ride on a line of their own)."""
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, piece, tool_calls),
+                           "done": False}
+    if logprobs:
+        obj["logprobs"] = logprobs
+    return (jstr.dumps(obj) + "\n").encode("utf-8")
+
+
+def _ns(ms: float) -> int:
+    return max(0, int(ms * 1e6))
+
+
+def final_object(tag: str, kind: str, text: str, done_reason: str, total_ns: int, load_ns: int,
+                 last: StepOutput | None = None, logprobs: list[dict] | None = None,
+                 receipt: dict | None = None, tool_calls: list[dict] | None = None) -> str:
+    """The last object's JSON text; without `last` (a load or unload) it has no counts and no receipt."""
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, text, tool_calls),
+                           "done": True,
+                           "done_reason": done_reason, "total_duration": int(total_ns), "load_duration": int(load_ns)}
+    if last is not None:
+        obj.update(prompt_eval_count=last.prompt_tokens, prompt_eval_duration=_ns(last.prompt_ms),
+                   eval_count=last.completion_tokens, eval_duration=_ns(last.predicted_ms),
+                   bankml_cache_n=last.cached_tokens)
+        if logprobs:
+            obj["logprobs"] = logprobs
+        if receipt is not None:
+            obj["bankml_receipt"] = receipt
+    return jstr.dumps(obj)
+
+
+def final_line(text: str) -> bytes:
+    """A final object's text as the stream's last line."""
+    return (text + "\n").encode("utf-8")

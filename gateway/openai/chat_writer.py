@@ -1,0 +1,200 @@
+"""`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
+gateway/openai/chat_request.py).
+
+Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
+order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
+- non-streamed: `{"choices": [{"finish_reason", "index", "message": {"role", "content"},
+  ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
+  "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
+- streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
+  "object": "chat.completion.chunk"}`, with one `id` for the whole answer. A role delta
+  (`{"role": "assistant", "content": null}`) opens the stream, as OpenAI sends it (llama-server
+  sends it with the first token's result, so not at all when that token ends inside a character);
+  then one chunk per text piece; then a chunk with an empty delta and the finish_reason. Without
+  `stream_options.include_usage` that chunk carries `usage` (as bankML always has; llama-server
+  omits it) and `timings.cache_n`; with it, `usage` and `timings` come in one more chunk whose
+  `choices` is `[]`, as llama-server and OpenAI send it. Then `data: {"choices": [], "bankml_receipt":
+  ...}` (an empty `choices`, so a client that reads `choices` on every chunk does not break), then
+  `data: [DONE]`. With logprobs, each entry rides on the chunk its token's text makes (on the role
+  delta when the first token has none).
+- `system_fingerprint` is `b<bankml's version>` (llama-server writes its build, `b<number>-<commit>`):
+  it names the server that answered; the backend is in the receipt's `engine`.
+- a logprob entry (llama-server's `probs_vector_to_json`): `{"id", "token", "bytes", "logprob",
+  "top_logprobs": [{"id", "token", "bytes", "logprob"}]}`; `token` is the text the stop filter
+  released at that token, cut before a character its bytes leave unfinished; `bytes` are raw.
+- `usage` has llama-server's `prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from bankml import __version__, jstr
+from bankml.errors import InvalidRequest
+from gateway.serving.tool_calls import Parsed
+from model.detokenizer import complete_utf8_text
+from model.messages import LogprobEntry, StepOutput
+
+
+def parse_json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise InvalidRequest("body is not JSON") from None
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def timings(out: StepOutput) -> dict:
+    """llama-server's `timings` (b11434's keys, server-task.cpp `result_timings::to_json`) for an
+    answer so far: a rate or a per-token time is null when its count or time is 0 (a division by
+    zero there, which its JSON writes as null)."""
+    prompt_n = max(0, out.prompt_tokens - out.cached_tokens)
+
+    def rate(n: int, ms: float) -> float | None:
+        return round(n / (ms / 1e3), 3) if n > 0 and ms > 0 else None
+
+    def per_token(n: int, ms: float) -> float | None:
+        return round(ms / n, 3) if n > 0 else None
+
+    return {"cache_n": out.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(out.prompt_ms, 3),
+            "prompt_per_token_ms": per_token(prompt_n, out.prompt_ms),
+            "prompt_per_second": rate(prompt_n, out.prompt_ms), "predicted_n": out.completion_tokens,
+            "predicted_ms": round(out.predicted_ms, 3),
+            "predicted_per_token_ms": per_token(out.completion_tokens, out.predicted_ms),
+            "predicted_per_second": rate(out.completion_tokens, out.predicted_ms)}
+
+
+def usage(out: StepOutput) -> dict:
+    return {"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
+            "total_tokens": out.completion_tokens + out.prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+
+def logprob_entry(e: LogprobEntry) -> dict:
+    return {"id": e.token, "token": complete_utf8_text(e.text), "bytes": list(e.text), "logprob": e.logprob,
+            "top_logprobs": [{"id": t.token, "token": complete_utf8_text(t.piece), "bytes": list(t.piece),
+                              "logprob": t.logprob}
+                             for t in e.top]}
+
+
+SYSTEM_FINGERPRINT = f"b{__version__}"
+
+
+def finish_reason(last: StepOutput, parsed: Parsed | None) -> str:
+    """`tool_calls` when the answer ended on its own with calls (llama-server's rule), else the engine's."""
+    if parsed is not None and parsed.calls and last.finish_reason.value == "stop":
+        return "tool_calls"
+    return last.finish_reason.value
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One chat completion's constants, repeated by its body or by every chunk of its stream."""
+
+    id: str  # "chatcmpl-...", llama-server's form
+    created: int
+    model: str
+    include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
+
+    def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None,
+             parsed: Parsed | None = None) -> str:
+        return self.body_of([self.choice(0, text, last, logprobs, parsed)], last, receipt)
+
+    @staticmethod
+    def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None,
+               parsed: Parsed | None = None) -> dict[str, Any]:
+        """One choice; `parsed` (an answer with tools): its content, and its calls as `tool_calls`."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsed is not None:
+            message["content"] = parsed.content if parsed.calls else (parsed.content or "")
+            if parsed.calls:
+                message["tool_calls"] = parsed.calls
+        choice: dict[str, Any] = {"finish_reason": finish_reason(last, parsed), "index": index, "message": message}
+        if logprobs:  # llama-server writes the key only when there are entries
+            choice["logprobs"] = {"content": logprobs}
+        return choice
+
+    def body_of(self, choices: list[dict], last: StepOutput, receipt: dict | None) -> str:
+        """The answer with these choices; `usage` and `timings` are `last`'s (llama-server merges the
+        choices of `n` > 1 into its first answer's object, whose usage and timings it keeps)."""
+        res: dict[str, Any] = {
+            "choices": choices,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "object": "chat.completion",
+            "usage": usage(last),
+            "id": self.id,
+            "timings": timings(last),
+        }
+        if receipt is not None:
+            res["bankml_receipt"] = receipt
+        return jstr.dumps(res)
+
+    def _chunk(self, choices: list[dict], **extra: Any) -> bytes:
+        return _event({"choices": choices, "created": self.created, "id": self.id, "model": self.model,
+                       "system_fingerprint": SYSTEM_FINGERPRINT, "object": "chat.completion.chunk", **extra})
+
+    def chunk(self, piece: str | None, logprobs: list[dict] | None = None, index: int = 0,
+              timed: StepOutput | None = None) -> bytes:
+        """A content chunk; with `piece` None, the role delta that opens the stream (of choice `index`).
+        `timed`: timings_per_token, the chunk carries that output's `timings`."""
+        delta = {"content": piece} if piece is not None else {"role": "assistant", "content": None}
+        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
+        if logprobs:
+            choice["logprobs"] = {"content": logprobs}
+        if timed is not None:
+            return self._chunk([choice], timings=timings(timed))
+        return self._chunk([choice])
+
+    def delta_chunk(self, kind: str, value: Any, index: int = 0, timed: StepOutput | None = None) -> bytes:
+        """An answer with tools: a content delta, or one call whole (`{"index", "id", "type", "function"}`)."""
+        if kind == "content":
+            return self.chunk(value, None, index, timed)
+        delta = {"tool_calls": [{"index": value["index"], "id": value["id"], "type": value["type"],
+                                 "function": value["function"]}]}
+        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
+        if timed is not None:
+            return self._chunk([choice], timings=timings(timed))
+        return self._chunk([choice])
+
+    def progress_chunk(self, index: int, progress: dict) -> bytes:
+        """return_progress: a role delta carrying `prompt_progress`, as b11434 sends one as the prompt
+        starts and after each prefill chunk (the role delta still opens the answer after them)."""
+        choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
+        return self._chunk([choice], prompt_progress=progress)
+
+    def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False, reason: str | None = None) -> bytes:
+        """The finish_reason's chunk (`reason` in place of the engine's: tool_calls), then (include_usage)
+        the usage chunk, `timings` on the last one (all of them with timings_per_token, else `cache_n`)."""
+        finish = [{"finish_reason": reason or last.finish_reason.value, "index": index, "delta": {}}]
+        times = timings(last) if timed else {"cache_n": last.cached_tokens}
+        if not self.include_usage:
+            return self._chunk(finish, usage=usage(last), timings=times)
+        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=times)
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
+
+
+def receipt_event(receipt: dict, index: int | None = None, times: dict | None = None) -> bytes:
+    """The receipt, last before [DONE]. Not a chunk (no `object`, no `id`): the openai client's stream
+    helper skips it, where a chunk would overwrite the usage it gathered; `choices` is there, empty,
+    for clients that read it on every event. With `n` > 1, one per choice, after its last chunk, with
+    the choice's `index`. With timings_per_token, llama-server's clients expect `timings` on every event
+    whose `choices` is empty (its usage chunk's): the final timings ride here too (`times`)."""
+    event: dict = {"choices": []}
+    if index is not None:
+        event["index"] = index
+    if times is not None:
+        event["timings"] = times
+    event["bankml_receipt"] = receipt
+    return _event(event)
+
+
+DONE_EVENT = b"data: [DONE]\n\n"

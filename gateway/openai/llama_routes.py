@@ -1,0 +1,169 @@
+"""llama-server's endpoints (its tools/server/README.md), on both addresses, so its clients reach us unchanged.
+
+They name no model: they use the most recently used resident one, or verify and load the startup
+model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; `/health` is 503 with
+the reason while the startup model is unusable (its file changed and does not verify again, or it
+failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
+`/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
+b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` reads a chat body as
+/v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
+MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
+calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
+`/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
+max_seqs` of them), in llama-server's shape; `POST /slots/{id}` is gateway/openai/slots.py's. The
+routes of llama-server we do not serve are refused by name in llama_refusals.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from bankml import jstr
+from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
+from gateway.http.errors import json_response
+from gateway.http.json_values import get_bool, json_value
+from gateway.http.sanic_app import query_of, takes_query
+from gateway.ollama.models import v1_models_data
+from gateway.openai.chat_request import openai_layer, parse_body
+from gateway.openai.params_json import params_json
+from gateway.openai.props import props_json
+from gateway.openai.tokenize import detokenize_body, tokenize_json
+from gateway.serving.tool_calls import plan as tool_plan
+from gateway.serving.tool_calls import read_tools
+from model.messages import SequenceState
+
+_TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(_TEXT_TOOLS, fn, *args)
+
+
+async def health(request, state):
+    res = state.residency
+    recent = res.most_recent()
+    failure = recent.client.failure if recent is not None else None
+    if failure is not None:  # its engine thread is gone: nothing here can answer
+        raise EngineGone(f"the engine thread stopped: {failure}")
+    unusable = res.unusable.get(state.registry.startup.name)
+    if unusable is not None:
+        raise ModelUnusable(unusable.message)
+    return json_response('{"status": "ok"}')
+
+
+async def props(request, state):
+    """llama-server's `GET /props` (gateway/openai/props.py says what each field holds)."""
+    loaded = await state.residency.current()
+    return json_response(jstr.dumps(await _off_loop(props_json, loaded)))
+
+
+async def change_props(request, state):
+    """`POST /props`: refused as llama-server refuses it without `--props` (there is nothing to change)."""
+    raise NotServed("This server does not support changing global properties. Start it with `--props`")
+
+
+async def models(request, state):
+    return json_response(jstr.dumps({"object": "list", "data": v1_models_data(state.registry)}))
+
+
+async def tokenize(request, state):
+    """llama-server's `POST /tokenize` (gateway/openai/tokenize.py reads the body as b11434 does)."""
+    req = await _off_loop(parse_body, request.body)  # JSON as llama-server reads it (a lone surrogate is a 400)
+    loaded = await state.residency.current()
+    return json_response(await _off_loop(tokenize_json, loaded.model, req))
+
+
+async def detokenize(request, state):
+    """llama-server's `POST /detokenize`: `{"content"}`, every piece with special tokens rendered."""
+    req = await _off_loop(parse_body, request.body)
+    loaded = await state.residency.current()
+    content = await _off_loop(detokenize_body, loaded.model, req)
+    return json_response(jstr.dumps({"content": content}))
+
+
+async def apply_template(request, state):
+    """llama-server's `POST /apply-template`: the chat body read as /v1/chat/completions reads it
+    (oaicompat_chat_params_parse, its 400s), and the prompt its template makes, `{"prompt"}`."""
+    req = await _off_loop(parse_body, request.body)
+    _, messages = await _off_loop(openai_layer, req)  # as a chat reads them, content parts too
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    loaded = await state.residency.current()
+    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
+    return json_response(jstr.dumps({"prompt": prompt}))
+
+
+async def count_tokens(request, state):
+    """llama-server's `POST /v1/chat/completions/input_tokens` (handle_count_tokens): the chat body's
+    prompt, templated as /apply-template makes it and tokenized with BOS and special tokens, counted."""
+    req = await _off_loop(parse_body, request.body)
+    _, messages = await _off_loop(openai_layer, req)
+    refuse_template_changes(req, messages)
+    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    loaded = await state.residency.current()
+    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
+    tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
+    return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
+
+
+def _render(model, req: dict, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The prompt text a chat with this body would get: with its tools, as gateway/serving/tool_calls.py plans them."""
+    plan = tool_plan(read_tools(req), messages, model.chat_template)
+    if plan is None:
+        return model.render(messages, add_generation_prompt)
+    return model.render(plan.messages, add_generation_prompt, plan.template_tools)
+
+
+def refuse_template_changes(req: dict, messages: list[dict]) -> None:
+    """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
+    if json_value(req, "chat_template_kwargs", {}):
+        raise NotSupported("'chat_template_kwargs' is not supported by bankml serve --native yet")
+    if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
+        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
+
+
+@takes_query
+async def slots(request, state):
+    """llama-server's `GET /slots`; `?fail_on_no_slot=<anything>` makes it a 503 while no slot is idle
+    (tools/server: any non-empty value, its "no slot available" unavailable_error)."""
+    client = (await state.residency.current()).client
+    if client.failure is not None:
+        raise EngineGone(f"the engine thread stopped: {client.failure}")
+    stats = client.stats()
+    sequences = stats.sequences if stats is not None else ()  # no engine has run: no slots yet
+    if any(query_of(request).get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
+        raise Overloaded("no slot available")
+    return json_response(jstr.dumps([slot_json(s) for s in sequences]))
+
+
+def slot_json(seq: SequenceState) -> dict[str, Any]:
+    """One slot as llama-server's `server_slot::to_json` writes it (tools/server/server-context.cpp).
+
+    Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
+    anyone who can reach /slots would read, and for the same reason its `stop` strings. An idle
+    slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1; its
+    `n_prompt_tokens` are the tokens it keeps in the cache (its last sequence's, a restored file's,
+    0 once erased; absent for a slot that never ran), as llama-server's idle slot shows them."""
+    out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
+                           "is_processing": seq.is_processing, "id_task": seq.id_task}
+    if not seq.is_processing:
+        if seq.n_kept is not None:
+            out["n_prompt_tokens"] = seq.n_kept
+        return out
+    out["n_prompt_tokens"] = seq.n_prompt
+    out["n_prompt_tokens_processed"] = max(0, seq.n_prompt_done - seq.n_cached)
+    out["n_prompt_tokens_cache"] = seq.n_cached
+    if seq.params is not None:
+        # llama-server's task params (gateway/openai/params_json.py), its stop strings left out (see above)
+        out["params"] = {k: v for k, v in params_json(seq.params).items() if k != "stop"}
+    out["next_token"] = [{
+        "has_next_token": True,  # a sequence that stopped has left its slot
+        "has_new_line": False,  # llama-server tracks it for n_indent, which this engine does not take
+        "n_remain": seq.n_remain,
+        "n_decoded": seq.n_decoded,
+        "stopping_word": "",
+    }]
+    return out

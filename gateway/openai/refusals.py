@@ -1,0 +1,52 @@
+"""llama-server's routes that bankml serve --native does not serve, each refused by name.
+
+An unknown route is a 404 (the routes' list, as the Rust bankml answers it); a route llama-server
+b11434 has (tools/server/server.cpp's table) gets a clear refusal instead, so its client learns why:
+501 not_supported_error, in llama-server's error shape, with the reason. Where llama-server itself
+refuses a route in its default configuration, it is refused with llama-server's own answer (the
+recorded one: tests/fixtures/llama_small_smollm2.json), since that is true here too:
+- /cors-proxy and /tools: 403 `{"error": {"message": "this feature is disabled", "type":
+  "feature_disabled"}}` (the Web UI's MCP proxy and server tools, off unless asked for).
+GET /lora-adapters is served truthfully: no adapter is loaded, `[]`, as llama-server answers without
+--lora; changing them (POST) is refused.
+"""
+
+from __future__ import annotations
+
+from bankml.errors import NotServed
+from gateway.http.errors import json_response
+from gateway.http.sanic_app import takes_query
+
+_FEATURE_DISABLED = '{"error": {"message": "this feature is disabled", "type": "feature_disabled"}}'
+
+
+def refusal(why: str):
+    """A route handler that answers 501 not_supported_error with `why`."""
+    async def refuse(request, state):
+        raise NotServed(why)
+
+    return takes_query(refuse)  # llama-server's routes take a ?query; the refusal is the same with one
+
+
+RERANK = refusal("bankml serve --native does not serve reranking: it runs no reranker model "
+                 "(llama-server's --reranking)")
+LORA_CHANGE = refusal("bankml serve --native loads no LoRA adapters: there are none to change")
+ANTHROPIC = refusal("bankml serve --native does not serve Anthropic's Messages API (/v1/messages) yet: "
+                    "use /v1/chat/completions")
+RESPONSES = refusal("bankml serve --native does not serve OpenAI's Responses API (/v1/responses) yet: "
+                    "use /v1/chat/completions (/v1/chat/completions/input_tokens counts a prompt)")
+CONTROL = refusal("bankml serve --native does not serve /v1/chat/completions/control: a running "
+                  "completion is stopped by closing its connection")
+TRANSCRIPTIONS = refusal("The current model does not support audio input.")  # llama-server's words, true here
+SYSTEMONE = refusal("bankml serve --native does not serve /v1/systemone (llama-server's decision models)")
+STREAMS = refusal("bankml serve --native keeps no streams to resume: a stream ends with its connection")
+
+
+async def lora_adapters(request, state):
+    """GET /lora-adapters: the adapters loaded, none (llama-server without --lora answers [])."""
+    return json_response("[]")
+
+
+async def feature_disabled(request, state):
+    """llama-server's answer on /cors-proxy and /tools when they are off (its res_403, server.cpp)."""
+    return json_response(_FEATURE_DISABLED, 403)

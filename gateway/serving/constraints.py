@@ -1,0 +1,230 @@
+"""Structured output on the gateway: a request's schema or grammar as llguidance grammar text, compiled
+per sequence before any model work (model/constraint.py).
+
+- `chat_grammar(p, request)` (/v1/chat/completions) follows llama-server's oaicompat_chat_params_parse
+  (tools/server/server-common.cpp, b11434): `response_format` `json_object` is any object (its `schema`
+  key, when present, is read as the schema), `json_schema` reads `json_schema.schema` (absent: `{}`,
+  any JSON value, as llama-server's json_value default), `text` nothing; otherwise the body's own
+  `json_schema`, else `grammar` (GBNF). `fields_grammar(p)` is the /completion reading
+  (server-task.cpp, params_from_json_cmpl: `json_schema` unless `grammar` is present).
+- Exact numbers: gateway/chat_request.parse_body reads every number literal that a float would change
+  as a `RawNumber` (a float carrying its text); `exact_json` writes a schema back with those literals,
+  so `"maximum": 0.1` or `1e400` reaches llguidance as the request wrote it.
+- `attach_constraints(loaded, requests, grammar)`: compiled off the loop with the model's tokenizer,
+  one Constraint per sequence (`.copy()` for the further ones), or a 400 with llguidance's reason.
+  String keys of `logit_bias` are tokenized here too (llama-server: each token of the string gets the
+  bias), and ids past the vocabulary dropped, as llama-server drops them.
+- `prebuild_tokenizer(loaded)`: llguidance's tokenizer built in a background thread when a model is
+  loaded, so the first constrained request waits for it only if it comes before the build is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import weakref
+from dataclasses import replace
+from typing import Any
+
+from bankml.errors import InvalidRequest, NotSupported
+from model import constraint as mc
+
+MAX_SCHEMA_CHARS = 1 << 16  # a JSON schema whose text is longer is refused before it is compiled
+
+
+class RawNumber(float):
+    """A JSON number literal a float would not keep exactly: its value, and its text as sent."""
+
+    text: str
+
+    def __new__(cls, text: str) -> RawNumber:
+        self = super().__new__(cls, float(text))
+        self.text = text
+        return self
+
+
+def exact_json(value: Any) -> str:
+    """`value` as compact JSON, every RawNumber as its own literal."""
+    if isinstance(value, RawNumber):
+        return value.text
+    if isinstance(value, dict):
+        return "{" + ",".join(json.dumps(str(k)) + ":" + exact_json(v) for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(exact_json(v) for v in value) + "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(str(value))  # cannot come from JSON text; never silently invalid
+    return json.dumps(value, ensure_ascii=False)
+
+
+def schema_grammar(schema: Any) -> str:
+    if isinstance(schema, dict) and not schema:
+        return mc.json_schema_grammar("{}")
+    text = exact_json(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise NotSupported(f"'json_schema' is not supported by bankml serve --native: more than "
+                           f"{MAX_SCHEMA_CHARS} characters")
+    return _rejected_is_400(mc.json_schema_grammar, text)
+
+
+def _rejected_is_400(build, *args) -> str:
+    try:
+        return build(*args)
+    except mc.GrammarRejected as e:
+        raise InvalidRequest(f"Failed to initialize samplers: {e}") from None
+
+
+def fields_grammar(p: dict) -> str | None:
+    """The grammar of llama-server's `json_schema` / `grammar` fields as read_fields kept them."""
+    if "json_schema" in p:
+        return schema_grammar(p["json_schema"])
+    if p.get("grammar"):  # llama.cpp's parser took it already (request_fields._sampler_init)
+        try:
+            return mc.gbnf_grammar(p["grammar"])
+        except mc.GrammarRejected as e:
+            raise InvalidRequest(f"'grammar': llguidance cannot compile this GBNF grammar, which llama.cpp "
+                                 f"parses: {e}") from None
+    return None
+
+
+def chat_grammar(p: dict, request: dict) -> str | None:
+    """/v1/chat/completions: response_format first (it sets json_schema), then the body's fields."""
+    rf = request.get("response_format") if isinstance(request, dict) else None
+    if isinstance(rf, dict):
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema")
+            return schema_grammar(schema) if isinstance(schema, dict) else mc.json_object_grammar()
+        if kind == "json_schema":
+            return schema_grammar(_json_schema_of(rf))
+    return fields_grammar(p)
+
+
+def _json_schema_of(rf: dict) -> dict:
+    """response_format json_schema's `json_schema.schema`; absent (or not an object) is `{}`, any value."""
+    wrapper = rf.get("json_schema")
+    schema = wrapper.get("schema", {}) if isinstance(wrapper, dict) else {}
+    return schema if isinstance(schema, dict) else {}
+
+
+def response_schema(request: dict) -> Any:
+    """The schema an answer with tools responds in when it does not call (the generic format's
+    `response`, gateway/serving/tool_calls.py), read as `chat_grammar` reads it: response_format's, else the
+    body's `json_schema`; None for text."""
+    rf = request.get("response_format")
+    if isinstance(rf, dict):
+        if rf.get("type") == "json_object":
+            return rf["schema"] if isinstance(rf.get("schema"), dict) else {"type": "object"}
+        if rf.get("type") == "json_schema":
+            return _json_schema_of(rf)
+    schema = request.get("json_schema")
+    return schema if isinstance(schema, dict) else None
+
+
+def ollama_format_grammar(fmt: Any) -> str | None:
+    """Ollama's `format` (llm/server.go): null or "" nothing; "json" its JSON grammar (root ::= object,
+    so any object); an object a JSON schema; anything else Ollama's error."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return mc.json_object_grammar()
+    if not isinstance(fmt, dict):
+        raw = exact_json(fmt)
+        raise InvalidRequest(f"invalid format: {json.dumps(raw)}; expected \"json\" or a valid JSON Schema object")
+    return schema_grammar(fmt)
+
+
+# --- logit_bias ----------------------------------------------------------------------------------
+
+
+def read_logit_bias(v: Any) -> tuple[tuple[int | str, float], ...]:
+    """llama-server's logit_bias (params_from_json_cmpl): `[[token, bias], ...]` or `{"token": bias}`;
+    a token is an id or a string (tokenized later); `false` is -inf; a malformed entry is skipped."""
+    def bias_of(b: Any) -> float | None:
+        if b is False:
+            return -math.inf
+        if isinstance(b, int | float) and not isinstance(b, bool):
+            return float(b)
+        return None
+
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(v, list):
+        pairs = [(e[0], e[1]) for e in v if isinstance(e, list) and len(e) == 2]
+    elif isinstance(v, dict):
+        pairs = [(_key_token(k), b) for k, b in v.items()]
+    out: list[tuple[int | str, float]] = []
+    for tok, b in pairs:
+        bias = bias_of(b)
+        if bias is None or isinstance(tok, bool) or not isinstance(tok, int | str):
+            continue
+        out.append((tok, bias))
+    return tuple(out)
+
+
+def _key_token(key: str) -> int | str:
+    try:
+        return int(key)  # an object's key: an id when it reads as one (llama-server's std::stoi)
+    except ValueError:
+        return key
+
+
+def _resolve_bias(bias, tokenizer, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    out: list[tuple[int, float]] = []
+    for tok, b in bias:
+        ids = tokenizer.encode(tok, False, False) if isinstance(tok, str) else [tok]
+        out += [(t, b) for t in ids if 0 <= t < n_vocab]  # out of range: ignored, as llama-server does
+    return tuple(out)
+
+
+# --- compiling, per sequence -----------------------------------------------------------------------
+
+_BUILDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its build thread
+
+
+def _tokenizer(loaded):
+    return loaded.model.tokenizer
+
+
+def prebuild_tokenizer(loaded) -> None:
+    """Start building llguidance's tokenizer for a loaded model (model/constraint.lltokenizer caches it)."""
+    tok = _tokenizer(loaded)
+    if not hasattr(tok, "attrs"):
+        return  # not a GGUF tokenizer (the tests' fake engine): built, and refused, on first use
+
+    def build() -> None:
+        try:
+            mc.lltokenizer(tok)
+        except Exception:  # noqa: BLE001 - the first constrained request builds it again and reports it
+            pass
+
+    t = threading.Thread(target=build, name="lltokenizer", daemon=True)
+    _BUILDS[tok] = t
+    t.start()
+
+
+def _compile(grammar: str, tokenizer, n: int) -> list:
+    build = _BUILDS.get(tokenizer)
+    if build is not None:
+        build.join()  # the load's build: wait for it rather than build a second
+    try:
+        first = mc.compile_constraint(grammar, tokenizer)
+    except mc.GrammarRejected as e:
+        raise InvalidRequest(f"Failed to initialize samplers: {e}") from None
+    return [first] + [first.copy() for _ in range(n - 1)]
+
+
+async def attach_constraints(loaded, requests: list, grammar: str | None) -> None:
+    """Each request's own Constraint for `grammar` (None: none), and its logit_bias strings tokenized."""
+    if grammar is None and not any(r.params.logit_bias for r in requests):
+        return  # nothing to compile or resolve: an unconstrained request costs nothing here
+    tokenizer = _tokenizer(loaded)
+    if any(r.params.logit_bias for r in requests):
+        n_vocab = tokenizer.n_vocab
+        for r in requests:
+            r.params = replace(r.params, logit_bias=_resolve_bias(r.params.logit_bias, tokenizer, n_vocab))
+    if grammar is None:
+        return
+    built = await asyncio.to_thread(_compile, grammar, tokenizer, len(requests))
+    for r, c in zip(requests, built, strict=True):
+        r.constraint = c

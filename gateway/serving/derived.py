@@ -1,0 +1,593 @@
+"""Derived models: a manifest `<registry>/<name>.MODEL.json` that layers a Modelfile's settings over a pinned base.
+
+A derived model holds no weights. `create` parses the Modelfile (gateway/serving/modelfile.py), resolves FROM (a pin, a
+derived model whose layer it inherits, a unique alias, or a pinned GGUF's path), verifies the base (the guard, then
+its sha256 against its FORK.json), merges the layer and writes the manifest atomically. The manifest's `digest` is
+the sha256 of the exact text of its `layer` (the Rust bankml's separators, key order, f32 floats and escaping),
+so a copy has the same digest and a hand-edited manifest is refused each time it is read; the base is bound by
+its sha256, so a pin that changed since refuses the derived model too. A request for a derived model loads its
+base (residency is keyed by the base) and `apply_ollama` / `apply_openai` apply the layer to the request body as
+Ollama applies a model's SYSTEM, MESSAGEs and PARAMETERs (server/routes.go).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bankml import __version__
+from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
+from bankml.jstr import jstr
+from bankml.pin import pinned_sha256
+from bankml.verify import gate_model
+from gateway.ollama.shapes import created_at_ns
+from gateway.serving.modelfile import (
+    PARAMETERS,
+    ModelSpec,
+    f32,
+    format_number,
+    parse_modelfile,
+    render_modelfile,
+    spec_from_request,
+)
+
+log = logging.getLogger("bankml.gateway")
+
+KIND = "bankml derived model (a layer over a pinned base; no weights)"
+MANIFEST_SUFFIX = ".MODEL.json"
+_NAME = re.compile(r"[a-z0-9._-]{1,128}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+SAFETENSORS_REFUSED = ("converting safetensors is out of scope for bankml serve (convert the model to GGUF with "
+                       "llama.cpp's convert_hf_to_gguf.py, pin it with `bankml fork`, then FROM it)")
+TEMPLATE_REFUSED = ("TEMPLATE: bankml renders the base's own chat template (the GGUF's tokenizer.chat_template); a "
+                    "different template (Ollama's are Go templates) would change every prompt and is not reproduced. "
+                    "Leave TEMPLATE out, or give the base's own byte for byte")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The manifest's "layer" (spec §3.1): what a derived model changes, over the base it is bound to."""
+
+    base_sha256: str
+    system: str = ""
+    parameters: Mapping[str, int | float] = field(default_factory=dict)  # PARAMETER keys but stop; f32 floats
+    stop: tuple[str, ...] = ()
+    template_sha256: str = ""
+    license: tuple[str, ...] = ()
+    messages: tuple[Mapping[str, str], ...] = ()  # {"role", "content"}
+    requires: str = ""
+
+
+@dataclass(frozen=True)
+class Derived:
+    name: str
+    created_at: str
+    base_name: str
+    base_file: str
+    base_sha256: str
+    base_fork: str
+    base_path: str
+    layer: Layer
+    digest: str  # "sha256:<hex>"
+    manifest_path: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}:latest"
+
+
+# --- the manifest's text ----------------------------------------------------------------------------------
+
+
+def _opt(s: str | None) -> str:
+    # the Rust bankml writes an absent string as null
+    return jstr(s) if s else "null"
+
+
+def _strings(items: Any) -> str:
+    return "[" + ", ".join(jstr(s) for s in items) + "]"
+
+
+def layer_text(layer: Layer) -> str:
+    """The exact text of a layer, as the digest is taken over it: `", "` and `": "`, this key order, floats in
+    the shortest form that reads back as the same f32, ints bare, only `"`, `\\` and controls escaped."""
+    params = ", ".join(f"{jstr(k)}: {format_number(v)}" for k, v in layer.parameters.items())
+    messages = ", ".join(f'{{"role": {jstr(m["role"])}, "content": {jstr(m["content"])}}}' for m in layer.messages)
+    return (f'{{"base_sha256": {jstr(layer.base_sha256)}, "system": {_opt(layer.system)}, '
+            f'"parameters": {{{params}}}, "stop": {_strings(layer.stop)}, '
+            f'"template_sha256": {_opt(layer.template_sha256)}, "license": {_strings(layer.license)}, '
+            f'"messages": [{messages}], "requires": {_opt(layer.requires)}}}')
+
+
+def layer_digest(layer: Layer) -> str:
+    return "sha256:" + hashlib.sha256(layer_text(layer).encode("utf-8")).hexdigest()
+
+
+def manifest_text(d: Derived) -> str:
+    """The whole manifest file, laid out as the Rust bankml writes it."""
+    base = (f'{{"name": {jstr(d.base_name)}, "file": {jstr(d.base_file)}, "sha256": {jstr(d.base_sha256)}, '
+            f'"fork": {jstr(d.base_fork)}, "path": {jstr(d.base_path)}}}')
+    return (f'{{\n "kind": {jstr(KIND)},\n "bankml": {jstr(__version__)},\n "name": {jstr(d.name)},\n'
+            f' "created_at": {jstr(d.created_at)},\n "base": {base},\n "layer": {layer_text(d.layer)},\n'
+            f' "digest": {jstr(d.digest)}\n}}\n')
+
+
+def _sorted_parameters(params: Mapping[str, int | float]) -> dict[str, int | float]:
+    order = list(PARAMETERS)
+    return {k: params[k] for k in sorted(params, key=order.index)}
+
+
+def _layer_from_json(raw: Any, where: str) -> tuple[Layer, str]:
+    """A manifest's layer object back to a Layer, and the canonical text of what the file says (null and ""
+    kept apart, so a manifest the Rust bankml wrote checks against its own digest)."""
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"{where}: no layer object")
+
+    def string(key: str) -> str | None:
+        v = raw.get(key)
+        if v is not None and not isinstance(v, str):
+            raise InvalidRequest(f"{where}: layer.{key} is not a string")
+        return v
+
+    def strings(key: str) -> tuple[str, ...]:
+        v = raw.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise InvalidRequest(f"{where}: layer.{key} is not a list of strings")
+        return tuple(v)
+
+    params: dict[str, int | float] = {}
+    for k, v in (raw.get("parameters") or {}).items():
+        if k not in PARAMETERS or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidRequest(f"{where}: layer.parameters.{k} is not a parameter bankml reproduces")
+        params[k] = int(v) if PARAMETERS[k] else f32(float(v))
+    messages = raw.get("messages", [])
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise InvalidRequest(f"{where}: layer.messages is not a list of {{role, content}}")
+    base_sha256 = string("base_sha256") or ""
+    system, template, requires = string("system"), string("template_sha256"), string("requires")
+    layer = Layer(base_sha256, system or "", params, strings("stop"), template or "", strings("license"),
+                  tuple({"role": m["role"], "content": m["content"]} for m in messages), requires or "")
+    text = layer_text(layer)
+    # a "" the Rust bankml wrote (SYSTEM "") is not the null layer_text writes for it: keep what the file says
+    for key, value in (("system", system), ("template_sha256", template), ("requires", requires)):
+        if value == "":
+            text = text.replace(f'"{key}": null', f'"{key}": ""', 1)
+    return layer, text
+
+
+def read_manifest(path: str) -> Derived:
+    """A manifest read back and its digest checked against its layer: a mismatch is a hand edit, refused."""
+    file = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.loads(f.read())
+    except OSError as e:
+        raise InvalidRequest(f"{file}: cannot read it: {e.strerror or e}") from e
+    except ValueError as e:
+        raise InvalidRequest(f"{file} is not JSON ({e}): edited by hand, refused — create it again") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("base"), dict):
+        raise InvalidRequest(f"{file} is not a derived model's manifest, refused — create it again")
+    base = doc["base"]
+    layer, text = _layer_from_json(doc.get("layer"), file)
+    want = "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+    got = doc.get("digest")
+    if got != want or layer.base_sha256 != base.get("sha256"):
+        raise InvalidRequest(f"{file} was edited by hand, refused — create it again (its digest {got} is not "
+                             f"its layer's {want})")
+    name = doc.get("name")
+    if not isinstance(name, str) or name + MANIFEST_SUFFIX != file:
+        raise InvalidRequest(f"{file} names another model ({name!r}): renamed by hand, refused — create it again")
+    fields_ = {k: base.get(k) for k in ("name", "file", "sha256", "fork", "path")}
+    if not all(isinstance(v, str) for v in fields_.values()) or not _HEX64.fullmatch(fields_["sha256"]):
+        raise InvalidRequest(f"{file}: its base record is incomplete, refused — create it again")
+    return Derived(name, str(doc.get("created_at", "")), fields_["name"], fields_["file"], fields_["sha256"],
+                   fields_["fork"], fields_["path"], layer, want, os.path.abspath(path))
+
+
+def write_manifest(d: Derived) -> None:
+    """Written atomically: `<name>.MODEL.json.part`, then renamed over the manifest."""
+    part = d.manifest_path + ".part"
+    try:
+        # a stale `.part` (a symlink planted to point outside the registry, say) is removed, never followed
+        if os.path.lexists(part):
+            os.unlink(part)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(manifest_text(d))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, d.manifest_path)
+    except OSError as e:
+        raise InvalidRequest(f"cannot write {d.manifest_path}: {e.strerror or e}") from e
+
+
+# --- names and the store -----------------------------------------------------------------------------------
+
+
+def normalize_name(text: str) -> str:
+    """A requested name as a derived model is filed: trimmed, `:latest` dropped, lower-cased."""
+    return text.strip().removesuffix(":latest").lower()
+
+
+def check_name(text: Any) -> str:
+    """A new derived model's name (spec §3.1): 1-128 of [a-z0-9._-] after `:latest` is stripped and it is
+    lower-cased, not starting with `.` or `-`, not ending `.gguf`."""
+    if not isinstance(text, str):
+        raise InvalidRequest("model: name the model to create")
+    name = normalize_name(text)
+    if not _NAME.fullmatch(name) or name[0] in ".-" or name.endswith(".gguf"):
+        shown = repr(text) if len(text) <= 160 else f"{text[:160]!r}… ({len(text)} characters)"
+        raise InvalidRequest(f"model name {shown}: use 1 to 128 letters, digits, '.', '_' and '-' (not starting "
+                             "with '.' or '-', not ending in .gguf; no tag but :latest)")
+    return name
+
+
+class DerivedStore:
+    """The derived models of a registry directory. Every read goes to the file, so a manifest edited or a pin
+    changed after start-up is refused at the next request, not served from memory."""
+
+    def __init__(self, directory: str | None):
+        self.directory = directory
+        self._pins: list[Any] = []
+        self._warned: set[tuple[str, int]] = set()
+
+    def load(self, pins: list[Any]) -> None:
+        """Bind to the registry's pins and read every manifest once, warning about the ones refused."""
+        self._pins = list(pins)
+        for d in self.all():
+            log.info("derived model %s over %s (%s)", d.name, d.base_file, d.digest)
+
+    def path(self, name: str) -> str | None:
+        return os.path.join(self.directory, name + MANIFEST_SUFFIX) if self.directory else None
+
+    def get(self, name: str) -> Derived | None:
+        """The derived model of that name, re-read and checked; None if there is none. A manifest edited by
+        hand, or whose base pin changed, raises InvalidRequest."""
+        n = normalize_name(name) if isinstance(name, str) else ""
+        path = self.path(n) if _NAME.fullmatch(n) else None
+        if path is None or not os.path.isfile(path):
+            return None
+        d = read_manifest(path)
+        self._check_base(d)
+        return d
+
+    def all(self) -> list[Derived]:
+        """Every derived model that reads back and binds, sorted by name; the others are skipped with a warning."""
+        if not self.directory:
+            return []
+        out = []
+        for path in sorted(glob.glob(os.path.join(glob.escape(self.directory), "*" + MANIFEST_SUFFIX))):
+            try:
+                d = read_manifest(path)
+                self._check_base(d)
+            except BankmlError as e:
+                self._warn(path, e.message)
+                continue
+            out.append(d)
+        return sorted(out, key=lambda d: d.name)
+
+    def _warn(self, path: str, message: str) -> None:
+        try:
+            key = (path, os.stat(path).st_mtime_ns)
+        except OSError:
+            key = (path, 0)
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("skipping %s: %s", path, message)
+
+    def base_pin(self, d: Derived) -> Any:
+        return (next((p for p in self._pins if p.name == d.base_name), None)
+                or next((p for p in self._pins if p.file_name == d.base_file), None))
+
+    def _check_base(self, d: Derived) -> None:
+        pin = self.base_pin(d)
+        if pin is None:
+            raise InvalidRequest(f"{d.name}: its base {d.base_file} (sha256 {d.base_sha256}) is not pinned in the "
+                                 "registry any more, refused — pin it again, or create the model again")
+        if pin.sha256 != d.base_sha256:
+            raise InvalidRequest(f"{d.name}: its base {d.base_file} was sha256 {d.base_sha256} when it was created; "
+                                 f"the pin in the registry now says {pin.sha256 or 'nothing'} — refused, create it "
+                                 "again")
+
+
+# --- create, copy, delete ----------------------------------------------------------------------------------
+
+
+def _is_path(value: str) -> bool:
+    return "/" in value or value.startswith(".") or value.lower().endswith(".gguf")
+
+
+def _fork_name(registry: Any, pin: Any) -> str:
+    """The FORK.json that pins the base: its file name when it is in the registry directory, else its path."""
+    candidates = [pin.fork_path] if pin.fork_path else []
+    if not candidates and registry.directory:  # a pin read without its file's path: look for it in DIR
+        for path in sorted(glob.glob(os.path.join(glob.escape(registry.directory), "*.FORK.json"))):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    if pinned_sha256(f.read(), pin.file_name) == pin.sha256:
+                        candidates.append(path)
+            except (OSError, UnicodeDecodeError):
+                continue
+    if not candidates:
+        raise InvalidRequest(f"{pin.file_name}: its FORK.json is not in the registry directory "
+                             f"{registry.directory}; a derived model records its base's pin there (copy the "
+                             "FORK.json that pins it into that directory)")
+    fork = os.path.abspath(candidates[0])
+    inside = registry.directory and os.path.dirname(fork) == os.path.abspath(registry.directory)
+    return os.path.basename(fork) if inside else fork
+
+
+def _resolve_from(registry: Any, value: str, base_dir: str | None) -> tuple[Any, Derived | None]:
+    """FROM to (the base pin, the derived model it inherits from or None), spec §3.3."""
+    if _is_path(value):
+        if "\0" in value:  # os.path.expanduser("~a\0b") raises ValueError: a 500
+            raise InvalidRequest(f"FROM {value!r}: no such file (a path holds no NUL character)")
+        path = os.path.expanduser(value)
+        if not os.path.isabs(path):
+            path = os.path.join(base_dir or os.getcwd(), path)
+        if os.path.isdir(path):
+            raise InvalidRequest(f"FROM {value}: a directory: {SAFETENSORS_REFUSED}")
+        if not os.path.isfile(path):
+            raise InvalidRequest(f"FROM {value}: no such file ({path})")
+        file = os.path.basename(path)
+        pin = next((p for p in registry.pins if p.file_name == file), None)
+        if pin is None:
+            raise InvalidRequest(f"FROM {value}: {file} is not pinned in the registry — bankml layers only on "
+                                 "pinned files (pin it with `bankml fork`, its FORK.json in the registry directory)")
+        if pin.path is None or not os.path.samefile(path, pin.path):
+            where = pin.path or "nowhere on this machine"
+            raise InvalidRequest(f"FROM {value}: the registry's {file} is {where}; FROM that file, or by its name "
+                                 f"{pin.name}")
+        return pin, None
+    try:
+        resolved = registry.resolve(value)
+    except BankmlError as e:  # not found, or a derived model refused (edited by hand, its base changed)
+        raise InvalidRequest(f"FROM {value}: {e.message}") from None
+    return resolved.pin, resolved.derived
+
+
+def _merge(spec: ModelSpec, parent: Layer | None, base_sha256: str, template_sha256: str) -> Layer:
+    """This spec's layer over the parent's: new values win, stop and messages replaced as lists, licences unioned."""
+    p = parent or Layer(base_sha256)
+    params = {**p.parameters, **spec.parameters}
+    license = list(p.license)
+    license += [x for x in spec.license if x not in license]
+    return Layer(
+        base_sha256=base_sha256,
+        system=spec.system if spec.system is not None else p.system,
+        parameters=_sorted_parameters(params),
+        stop=tuple(spec.stop) if spec.stop is not None else p.stop,
+        template_sha256=template_sha256 or p.template_sha256,
+        license=tuple(license),
+        messages=tuple(spec.messages) if spec.messages is not None else p.messages,
+        requires=spec.requires if spec.requires is not None else p.requires,
+    )
+
+
+def _spec(spec: str | Mapping[str, Any] | ModelSpec) -> ModelSpec:
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, str):
+        return parse_modelfile(spec)
+    return spec_from_request(spec)
+
+
+def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, ctx: int | None = None, *,
+           base_dir: str | None = None) -> Iterator[str]:
+    """Create (or replace) the derived model `name`, yielding Ollama's status lines as it goes (spec §3.3).
+
+    `spec` is a Modelfile's text, the structured form of `/api/create`, or a ModelSpec; `ctx` the context the
+    server holds (a larger num_ctx is accepted with a warning); `base_dir` what a relative FROM path is relative
+    to. Nothing is written unless the base verified. Raises InvalidRequest."""
+    if not registry.directory:
+        raise InvalidRequest("bankml serve was started without --registry: a derived model is written beside the "
+                             "pins of the registry directory")
+    n = check_name(name)
+    if registry.pin(n) is not None:
+        raise InvalidRequest(f"{n} is a pinned model's name (its file's); a derived model needs its own — e.g. "
+                             f"{n}-persona")
+    parsed = _spec(spec)
+    yield "parsing modelfile"
+    pin, parent = _resolve_from(registry, parsed.from_, base_dir)
+    if pin.path is None:
+        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} is pinned but not on this machine")
+    if not pin.native:
+        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} cannot be played by bankml: {pin.reason}")
+    fork = _fork_name(registry, pin)
+    yield f"verifying {pin.file_name} (the guard, then its sha256 against {fork})"
+    try:
+        gated = gate_model(pin.path, pin.fork_text, getattr(registry, "rule_set", "mainline"))
+    except BankmlError as e:
+        raise InvalidRequest(f"FROM {parsed.from_}: refuse: {e.message}") from e
+    sha = gated.verified.model_sha256
+    if sha != pin.sha256:
+        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} verified as {sha}, the registry pins "
+                             f"{pin.sha256}: refused")
+    yield f"using existing layer sha256:{sha}"
+    template_sha256 = ""
+    if parsed.template is not None:
+        if pin.info is None or pin.info.chat_template != parsed.template:
+            raise InvalidRequest(TEMPLATE_REFUSED)
+        template_sha256 = hashlib.sha256(parsed.template.encode("utf-8")).hexdigest()
+    layer = _merge(parsed, parent.layer if parent else None, sha, template_sha256)
+    num_ctx = layer.parameters.get("num_ctx")
+    if ctx is not None and num_ctx is not None and num_ctx > ctx:
+        log.warning("bankml create: %s asks num_ctx %d; this server holds %d — its requests are refused until "
+                    "bankml serve runs with --ctx %d", n, num_ctx, ctx, num_ctx)
+    if layer.system:
+        yield "creating system layer"
+    if layer.parameters or layer.stop:
+        yield "creating parameters layer"
+    if layer.license:
+        yield "creating license layer"
+    if layer.messages:
+        yield "creating messages layer"
+    digest = layer_digest(layer)
+    yield f"writing manifest {n}{MANIFEST_SUFFIX} (digest {digest})"
+    d = Derived(n, created_at_ns(time.time_ns()), pin.name, pin.file_name, sha, fork, gated.path, layer, digest,
+                os.path.abspath(registry.derived.path(n)))
+    write_manifest(d)
+    yield "success"
+
+
+def copy(registry: Any, source: Any, destination: Any) -> None:
+    """`POST /api/copy`: create `destination` FROM `source` and nothing else (a pin's copy is an empty layer; a
+    derived model's copy has its layer, so its digest)."""
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidRequest("source: name the model to copy")
+    if not isinstance(destination, str) or not destination.strip():
+        raise InvalidRequest("destination: name the copy")
+    for _ in create(registry, destination, ModelSpec(from_=source.strip())):
+        pass
+
+
+def delete(registry: Any, name: Any) -> None:
+    """`DELETE /api/delete`: a derived model's manifest removed; a pin refused (400); anything else 404."""
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidRequest("model: name the model to delete")
+    n = normalize_name(name)
+    pin = registry.pin(n)
+    if pin is None:
+        path = registry.derived.path(n) if _NAME.fullmatch(n) else None
+        if path is not None and os.path.isfile(path):
+            try:
+                os.remove(path)
+            except OSError as e:
+                raise InvalidRequest(f"cannot delete {path}: {e.strerror or e}") from e
+            return
+        try:
+            pin = registry.resolve(name).pin  # an alias of a pin is a pin too
+        except ModelNotFound:
+            raise ModelNotFound(f"model '{name}' not found") from None
+    raise InvalidRequest(f"{pin.name} is a pinned model (its FORK.json pins {pin.file_name}): bankml does not "
+                         "delete pins over HTTP; remove the file and its FORK.json by hand")
+
+
+# --- applying a layer to a request -------------------------------------------------------------------------
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _chat_messages(layer: Layer, messages: list) -> list:
+    """Ollama's rule: the layer's MESSAGEs before the request's; its SYSTEM first unless the request's first
+    message is a system message."""
+    out: list = [_msg(m["role"], m["content"]) for m in layer.messages] + list(messages)
+    first = messages[0] if messages else None
+    if layer.system and not (isinstance(first, Mapping) and first.get("role") == "system"):
+        out.insert(0, _msg("system", layer.system))
+    return out
+
+
+def apply_ollama(layer: Layer, kind: str, body: dict) -> dict:
+    """A new `/api/chat` (kind "chat") or `/api/generate` body with the layer applied (spec §3.3): its parameters
+    are defaults under `options` the request overrides key by key (`stop` as a whole list); chat messages by
+    Ollama's rule; a generate that is not raw gets `bankml_messages` (system, MESSAGEs, the prompt as user)."""
+    out = {k: v for k, v in body.items() if k != "bankml_messages"}
+    options = body.get("options")
+    if options is None:
+        options = {}
+    if isinstance(options, dict):  # anything else is left for the options check to refuse
+        merged: dict[str, Any] = {k: v for k, v in layer.parameters.items() if options.get(k) is None}
+        if layer.stop and options.get("stop") is None:
+            merged["stop"] = list(layer.stop)
+        merged.update({k: v for k, v in options.items() if not (v is None and k in merged)})
+        if merged or "options" in body:
+            out["options"] = merged
+    if kind == "chat":
+        messages = body.get("messages")
+        if isinstance(messages, list) and messages:
+            out["messages"] = _chat_messages(layer, messages)
+    elif body.get("raw") is not True:
+        system = body.get("system")
+        system = system if isinstance(system, str) and system else layer.system
+        prompt = body.get("prompt")
+        out["bankml_messages"] = ([_msg("system", system)] if system else []) + [
+            _msg(m["role"], m["content"]) for m in layer.messages] + [_msg("user", prompt if isinstance(prompt, str)
+                                                                           else "")]
+    return out
+
+
+def apply_openai(layer: Layer, body: dict) -> dict:
+    """A new `/v1/chat/completions` body with the layer applied: the same message rule; the parameters fill
+    absent or null top-level fields (num_predict >= 0 becomes max_tokens unless max_tokens or n_predict is
+    set). The layer's num_ctx is not a /v1 field: `layer_num_ctx` gives it to the route to fit the prompt."""
+    out = dict(body)
+
+    def absent(key: str) -> bool:
+        return out.get(key) is None
+
+    for k, v in layer.parameters.items():
+        if k == "num_ctx":
+            continue
+        if k == "num_predict":
+            if v >= 0 and absent("max_tokens") and absent("n_predict"):
+                out["max_tokens"] = v
+        elif absent(k):
+            out[k] = v
+    if layer.stop and absent("stop"):
+        out["stop"] = list(layer.stop)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        out["messages"] = _chat_messages(layer, messages)
+    return out
+
+
+def layer_num_ctx(layer: Layer) -> int | None:
+    """The layer's num_ctx (the context a request for it is fitted to; above --ctx, a 400)."""
+    v = layer.parameters.get("num_ctx")
+    return int(v) if v is not None else None
+
+
+# --- /api/show ---------------------------------------------------------------------------------------------
+
+
+def modelfile_of(d: Derived) -> str:
+    """The Modelfile `ollama show --modelfile` prints for a derived model: FROM its base, by name."""
+    header = (f"bankml {__version__}: derived model {d.name} (digest {d.digest}), a layer over the pinned base "
+              f"{d.base_name} (sha256 {d.base_sha256}),\nverified before every load\n"
+              f"To build a new Modelfile based on this, replace FROM with:\nFROM {d.tag}")
+    layer = d.layer
+    return render_modelfile(d.base_name, system=layer.system, parameters=layer.parameters, stop=layer.stop,
+                            license=layer.license, messages=layer.messages, requires=layer.requires, header=header)
+
+
+def parameters_text(layer: Layer) -> str:
+    """`/api/show`'s `parameters`: one `key value` line each, keys padded to 30, the stops quoted (Ollama's)."""
+    lines = [f"{k:<30} {format_number(v)}" for k, v in layer.parameters.items()]
+    lines += [f"{'stop':<30} {jstr(s)}" for s in layer.stop]
+    return "\n".join(lines)
+
+
+def show_fields(d: Derived) -> dict:
+    """What `/api/show` adds to or replaces in its base's answer for a derived model. Top-level keys replace
+    the base's (`modelfile`, `parameters`, `modified_at`, and `system`, `license`, `messages` when the layer has
+    them); `bankml` is a dict to merge key by key into the base's (`bankml.layer`). `details.parent_model` is
+    the base's tag, which /api/show sets itself."""
+    layer = d.layer
+    out: dict[str, Any] = {"modelfile": modelfile_of(d), "parameters": parameters_text(layer),
+                           "modified_at": d.created_at}
+    if layer.system:
+        out["system"] = layer.system
+    if layer.license:
+        out["license"] = "\n".join(layer.license)
+    if layer.messages:
+        out["messages"] = [dict(m) for m in layer.messages]
+    out["bankml"] = {"layer": {"derived": True, "digest": d.digest, "base_sha256": d.base_sha256,
+                               "base_fork": d.base_fork}}
+    return out
+
+
+__all__ = ["Layer", "Derived", "DerivedStore", "apply_ollama", "apply_openai", "show_fields", "create", "copy",
+           "delete", "check_name", "layer_text", "layer_digest", "read_manifest", "layer_num_ctx"]
