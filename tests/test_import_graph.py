@@ -1,15 +1,22 @@
-"""The project's modules import one another without a cycle.
+"""The project's modules import one another without a cycle, and keep pyproject.toml's layer contracts.
 
 The graph is built from the source with `ast`, not by importing anything: every `import` and
 `from ... import` counts, at module level or inside a function (a function-level import hides a
 cycle from Python's loader, not from a reader). Importing `a.b.c` runs `a` and `a.b` first, so those
 count too, except the importer's own packages (they are already running when it runs: a package that
 re-exports its modules is not a circle); `from a import b` counts `a.b` when it is a module.
+
+The contracts (`[tool.importlinter]`: the gateway's layers, P0 without the engine, no jax in the gateway,
+no web server in the engine) are import-linter's to check: `lint-imports` from the repo root, as a
+developer runs it, and its report shown when one is broken.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +109,18 @@ def test_the_cycle_finder_finds_one_and_says_where():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     assert find_cycle({"x": {"y"}, "y": {"y2"}, "y2": {"x"}}) == ["x", "y", "y2", "x"]
+
+
+# `lint-imports`, run by the interpreter running the tests: no PATH lookup, and the repo root (the cwd)
+# is on sys.path, so the packages checked are this checkout's
+LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def test_the_import_contracts_are_kept():
+    # --no-cache: a stale graph never answers, and parallel test workers write nothing
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    run = subprocess.run([sys.executable, "-c", LINT_IMPORTS, "--no-cache", "--no-logo"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    report = run.stdout + run.stderr
+    assert run.returncode == 0, f"lint-imports exited {run.returncode}:\n{report}"
+    assert " 0 broken" in report, report  # the contracts were read and checked, not skipped

@@ -23,8 +23,9 @@ from gateway_helpers import FakeServer, tiny_model
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from bankml.signing import ReceiptKey
+from gateway.http.timestamps import created_at
 from gateway.ollama import chat as ollama_chat
-from gateway.ollama.shapes import created_at, final_object, logprob_entry, piece_line
+from gateway.ollama.shapes import final_object, logprob_entry, piece_line
 from model.messages import FinishReason, LogprobEntry, StepOutput, Timeline, TopLogprob
 
 CREATED_AT = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$")

@@ -21,9 +21,10 @@ from bankml.errors import BankmlError, ModelNotFound
 from bankml.pin import fork_record
 from bankml.verify import gate_model
 from gateway.http.errors import Api, status_of
+from gateway.http.timestamps import created_at
 from gateway.ollama import models as ollama_models
 from gateway.serving.derived import create
-from gateway.serving.registry import Registry
+from gateway.serving.registry import Registry, v1_models_data
 
 RFC3339_NS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z$")
 DETAILS_KEYS = ["parent_model", "format", "family", "families", "parameter_size", "quantization_level"]
@@ -77,9 +78,9 @@ def show_error(registry, body: bytes) -> BankmlError:
 
 
 def test_created_at_is_rfc3339_utc_with_nine_digits():
-    assert ollama_models.created_at(0) == "1970-01-01T00:00:00.000000000Z"
-    assert ollama_models.created_at(1_700_000_000.25) == "2023-11-14T22:13:20.250000000Z"
-    assert RFC3339_NS.match(ollama_models.created_at(time.time() + ollama_models.FOREVER_S))
+    assert created_at(0) == "1970-01-01T00:00:00.000000000Z"
+    assert created_at(1_700_000_000.25) == "2023-11-14T22:13:20.250000000Z"
+    assert RFC3339_NS.match(created_at(time.time() + ollama_models.FOREVER_S))
 
 
 def test_version(registry):
@@ -87,7 +88,7 @@ def test_version(registry):
 
 
 def test_v1_models_data_lists_every_pin(registry):
-    assert ollama_models.v1_models_data(registry) == [
+    assert v1_models_data(registry) == [
         {"id": "Start-Model.Q8_0.gguf", "object": "model", "owned_by": "bankML"},
         {"id": "Other-Q8_0.gguf", "object": "model", "owned_by": "bankML"},
         {"id": "Gone.gguf", "object": "model", "owned_by": "bankML"},
@@ -107,7 +108,7 @@ def test_tags_shape_and_values(registry):
     pin = registry.pin("other-q8_0")
     assert other == {
         "name": "other-q8_0:latest", "model": "other-q8_0:latest",
-        "modified_at": ollama_models.created_at(pin.modified_at), "size": Path(pin.path).stat().st_size,
+        "modified_at": created_at(pin.modified_at), "size": Path(pin.path).stat().st_size,
         "digest": pin.sha256,
         "details": {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                     "parameter_size": pin.info.parameter_size, "quantization_level": "Q8_0"},
@@ -201,7 +202,7 @@ def test_ps_entries(registry):
                            "context_length"]
     assert first == {"name": "other-q8_0:latest", "model": "other-q8_0:latest", "size": 123456,
                      "digest": other.sha256, "details": ollama_models.details(other),
-                     "expires_at": ollama_models.created_at(expires), "size_vram": 7890, "context_length": 512}
+                     "expires_at": created_at(expires), "size_vram": 7890, "context_length": 512}
     kept = ollama.ProcessResponse.model_validate_json(text).models[1]  # kept forever: 292 years from now
     assert kept.model == "start-model.q8_0:latest"
     assert abs(kept.expires_at.timestamp() - (before + ollama_models.FOREVER_S)) < 5
@@ -250,7 +251,7 @@ def test_tags_and_v1_list_a_derived_model_after_the_pins(with_derived):
     assert entry["details"] == {**pin_entry["details"], "parent_model": "base-q8_0:latest"}
     assert entry["bankml"] == pin_entry["bankml"]  # only the four fields differ
     assert {k for k in entry if entry[k] != pin_entry[k]} == {"name", "model", "modified_at", "digest", "details"}
-    assert ollama_models.v1_models_data(reg)[-1] == {"id": "persona:latest", "object": "model", "owned_by": "bankML"}
+    assert v1_models_data(reg)[-1] == {"id": "persona:latest", "object": "model", "owned_by": "bankML"}
 
 
 def test_show_a_derived_model(with_derived):

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from bankml.errors import InvalidRequest, NotSupported
-from gateway.openai.chat_request import parse_body, parse_chat_request
+from gateway.http.body import parse_body
+from gateway.openai.chat_request import parse_chat_request
 from gateway.openai.completion_request import parse_completion
 from gateway.serving.constraints import attach_constraints, exact_json, read_logit_bias
 from model import constraint as mc

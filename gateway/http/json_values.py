@@ -5,7 +5,9 @@ float is truncated toward zero, an integer wraps to the width), a bool must be a
 string a JSON string; anything else is `[json.exception.type_error.302] type must be T, but is X`.
 `json_value(body, key, default)` (tools/server/server-common.h) is the lenient form: an absent,
 null or wrongly typed value gives the default. `dump` writes a value as nlohmann's `dump()` does
-(compact, key order kept, UTF-8 as is), for messages that quote part of a request.
+(compact, key order kept, UTF-8 as is), for messages that quote part of a request. A number literal
+a float would change is read as a `RawNumber` (`exact_float`, gateway/http/body.py), so a schema's
+bounds reach the grammar as the request wrote them (gateway/serving/constraints.py, `exact_json`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,24 @@ FLT_MAX = 3.4028234663852886e38
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 UINT32 = (0, (1 << 32) - 1)
+
+
+class RawNumber(float):
+    """A JSON number literal a float would not keep exactly: its value, and its text as sent."""
+
+    text: str
+
+    def __new__(cls, text: str) -> RawNumber:
+        self = super().__new__(cls, float(text))
+        self.text = text
+        return self
+
+
+def exact_float(text: str) -> float:
+    """A float literal as read from a body: a literal a double would change keeps its text (`RawNumber`),
+    for a schema's exact bounds (gateway/serving/constraints.py)."""
+    x = float(text)
+    return x if repr(x) == text else RawNumber(text)
 
 
 class JsonTypeError(ValueError):

@@ -25,7 +25,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bankml import __version__
 from bankml.errors import Overloaded
@@ -33,8 +33,10 @@ from gateway.monitor.answer_metrics import MetricsRing, answer_record
 from gateway.monitor.prometheus import PromMetrics
 from gpu_monitor.readings import rounded
 from gpu_monitor.sample import Monitor
-from model.engine_thread import EngineThread
 from model.messages import EngineStats, StepOutput
+
+if TYPE_CHECKING:  # a type only: P0 runs this monitor with no engine (and so without jax)
+    from model.engine_thread import EngineThread
 
 STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
 

@@ -4,7 +4,7 @@ Every answer comes from the registry (gateway/serving/registry.py): pins in regi
 models (gateway/serving/derived.py). A pin's digest is its bare sha256; a derived model's is
 "sha256:<layer digest>", its size and details are its base's, with `parent_model` naming the base.
 /api/ps lists what residency holds, most recently used first, under the name the last request used.
-/v1/models' `data` (`v1_models_data`) lists the same models in OpenAI's shape.
+/v1/models' `data` (gateway/serving/registry.py, `v1_models_data`) lists the same models in OpenAI's shape.
 Key orders are Ollama's (api/types.go), since clients and tests compare the bytes.
 """
 
@@ -18,11 +18,11 @@ import numpy as np
 
 from bankml import __version__, jstr
 from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
+from gateway.http.body import parse_body
 from gateway.http.errors import json_response
-from gateway.ollama.shapes import created_at
-from gateway.openai.chat_request import parse_body
+from gateway.http.timestamps import created_at
 from gateway.serving.derived import Derived, show_fields
-from gateway.serving.registry import Pin, Registry, model_name
+from gateway.serving.registry import Pin, Registry, derived_with_base, model_name
 from gateway.serving.request_fields import gguf_defaults
 
 FOREVER_S = 292 * 365 * 86400  # Ollama shows a model kept forever as expiring in 292 years
@@ -55,28 +55,12 @@ def tag_entry(pin: Pin) -> dict:
             "digest": pin.sha256, "details": details(pin), "bankml": _bankml_listing(pin)}
 
 
-def _derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
-    out = []
-    for d in registry.derived.all():
-        base = registry.derived.base_pin(d)
-        if base is not None:
-            out.append((d, base))
-    return out
-
-
 def tags_body(registry: Registry) -> dict:
     models = [tag_entry(p) for p in registry.pins]
-    for d, base in _derived_with_base(registry):
+    for d, base in derived_with_base(registry):
         models.append({"name": d.tag, "model": d.tag, "modified_at": d.created_at, "size": base.size,
                        "digest": d.digest, "details": details(base, base.tag), "bankml": _bankml_listing(base)})
     return {"models": models}
-
-
-def v1_models_data(registry: Registry) -> list[dict]:
-    """/v1/models' `data`: every pin by its file name, then every derived model by its tag."""
-    data = [{"id": p.file_name, "object": "model", "owned_by": "bankML"} for p in registry.pins]
-    data += [{"id": d.tag, "object": "model", "owned_by": "bankML"} for d, _ in _derived_with_base(registry)]
-    return data
 
 
 # --- /api/show ---------------------------------------------------------------------------------------

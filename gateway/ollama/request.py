@@ -27,8 +27,7 @@ from typing import Any
 
 from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
-from gateway.http.json_values import get_int
-from gateway.openai.chat_request import exact_float
+from gateway.http.json_values import exact_float, get_int
 from gateway.serving.constraints import ollama_format_grammar
 from gateway.serving.derived import apply_ollama
 from gateway.serving.registry import Pin, Registry, Resolved

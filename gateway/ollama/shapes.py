@@ -8,7 +8,8 @@ style (bankml/jstr.py: `", "` and `": "` separators, keys in a fixed order).
 - the final object: `{"model", "created_at", "message"|"response" (empty when streamed, the whole text
   when not), "done": true, "done_reason", "total_duration", "load_duration", "prompt_eval_count",
   "prompt_eval_duration", "eval_count", "eval_duration", "bankml_cache_n", ["logprobs"],
-  "bankml_receipt"}`; a load or unload (an empty prompt) stops after "load_duration";
+  "bankml_receipt"}`; a load or unload (an empty prompt) stops after "load_duration"; `created_at` is
+  RFC 3339 with nanoseconds (gateway/http/timestamps.py);
 - durations are integer nanoseconds: total from the request, load the verify + open this request
   waited for, prompt and eval from the engine thread's timeline (model/messages.py Timeline);
   `eval_count` is the engine's completion count, the end-of-turn token included;
@@ -20,28 +21,15 @@ style (bankml/jstr.py: `", "` and `": "` separators, keys in a fixed order).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 from bankml import jstr
+from gateway.http.timestamps import created_at
 from model.detokenizer import complete_utf8_text
 from model.messages import LogprobEntry, StepOutput
 
 NDJSON = "application/x-ndjson"
-
-
-def created_at(t: float) -> str:
-    """`t` (unix seconds) in RFC 3339, UTC, with exactly 9 fractional digits and "Z" (spec §1.3)."""
-    seconds = math.floor(t)
-    ns = min(999_999_999, round((t - seconds) * 1e9))
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
-
-
-def created_at_ns(t_ns: int) -> str:
-    """The same, from integer nanoseconds (time.time_ns()), every digit exact."""
-    seconds, ns = divmod(t_ns, 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ns:09d}Z"
 
 
 def logprob_entry(e: LogprobEntry, top: int) -> dict:

@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: the body read once, as llama-server reads it, before any model work.
 
 `parse_chat(body, defaults)`, in llama-server's order (b11434):
-1. the JSON itself (nlohmann's parse error, 400; a lone surrogate is one there too);
+1. the JSON itself (gateway/http/body.py: nlohmann's parse error, 400; a lone surrogate is one there too);
 2. the OpenAI layer (tools/server/server-common.cpp, `oaicompat_chat_params_parse`): `stop` as a
    string or an array, json_schema against grammar, `response_format`, the messages and their content
    parts, `logprobs`/`top_logprobs` (default 20, `top_logprobs` alone refused), then every other key
@@ -17,14 +17,13 @@ before a bad field there; here the template renders after the model is acquired 
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported, RequestFailed
+from gateway.http.body import parse_body
 from gateway.http.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
-from gateway.serving.constraints import RawNumber, chat_grammar, read_logit_bias, response_schema
+from gateway.serving.constraints import chat_grammar, read_logit_bias, response_schema
 from gateway.serving.request_fields import N_PROBS_MAX, read_fields
 from gateway.serving.tool_calls import Tools, read_tools
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -55,75 +54,6 @@ def bad(message: str) -> InvalidRequest:
 def failed(message: str) -> RequestFailed:
     """llama-server's other exceptions (std::runtime_error): 500 server_error."""
     return RequestFailed(message)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"invalid literal {name}")
-
-
-def _nlohmann_int(text: str) -> int | float:
-    # nlohmann keeps an integer literal as an integer only while it fits int64 or uint64, else as a
-    # double (lexer.hpp, scan_number): `max_tokens: 1e30` and `max_tokens: 10**30` then read the same
-    n = int(text)
-    return n if -(1 << 63) <= n < 1 << 64 else RawNumber(text)
-
-
-def exact_float(text: str) -> float:
-    # a literal a double would change keeps its text, for a schema's exact bounds (gateway/serving/constraints.py)
-    x = float(text)
-    return x if repr(x) == text else RawNumber(text)
-
-
-def parse_body(body: bytes) -> Any:
-    """The body as nlohmann parses it: NaN and Infinity are not JSON, nor is a lone surrogate; an
-    integer past 64 bits is a double."""
-    try:
-        value = json.loads(body, parse_constant=_reject_constant, parse_int=_nlohmann_int,
-                           parse_float=exact_float)
-    except json.JSONDecodeError as e:
-        raise _parse_error(e.lineno, e.colno, e.msg) from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise bad(f"[json.exception.parse_error.101] parse error: {e}") from None
-    _refuse_lone_surrogates(body)
-    return value
-
-
-def _parse_error(line: int, column: int, why: str) -> InvalidRequest:
-    return bad(f"[json.exception.parse_error.101] parse error at line {line}, column {column}: "
-               f"syntax error while parsing value - {why}")
-
-
-# Python's json accepts what nlohmann's lexer refuses: a `\uD800`-style escape that is not half of a
-# pair, and (reading bytes with "surrogatepass") a surrogate written as UTF-8. Such a string would
-# fail later, when it is encoded for the tokenizer or a stop string. Every backslash of a valid JSON
-# text is inside a string, so an escape is one that follows an even run of backslashes.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
-_ESCAPED_SURROGATE = re.compile(
-    rb"(?<!\\)(?:\\\\)*\\u(?:[dD][89abAB][0-9a-fA-F]{2}(?P<low>\\u[dD][c-fC-F][0-9a-fA-F]{2})?"
-    rb"|(?P<lone_low>[dD][c-fC-F][0-9a-fA-F]{2}))")
-_UTF8_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-def _refuse_lone_surrogates(body: bytes) -> None:
-    """nlohmann's lexer errors (scan_string) for a string that is not valid Unicode: 400."""
-    if not _MAYBE_SURROGATE.search(body):
-        return  # the common case: one scan at C speed
-    for m in _ESCAPED_SURROGATE.finditer(body):
-        if m["lone_low"] is not None:
-            why = "invalid string: surrogate U+DC00..U+DFFF must follow U+D800..U+DBFF"
-        elif m["low"] is None:
-            why = "invalid string: surrogate U+D800..U+DBFF must be followed by U+DC00..U+DFFF"
-        else:
-            continue  # a pair: one code point
-        raise _parse_error(*_line_column(body, m.end()), why)
-    m = _UTF8_SURROGATE.search(body)
-    if m is not None:
-        raise _parse_error(*_line_column(body, m.end()), "invalid string: ill-formed UTF-8 byte")
-
-
-def _line_column(body: bytes, end: int) -> tuple[int, int]:
-    line_start = body.rfind(b"\n", 0, end) + 1
-    return body.count(b"\n", 0, end) + 1, end - line_start + 1
 
 
 # --- 2. the OpenAI layer -------------------------------------------------------------------------

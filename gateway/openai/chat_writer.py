@@ -27,25 +27,13 @@ order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from bankml import __version__, jstr
-from bankml.errors import InvalidRequest
 from gateway.serving.tool_calls import Parsed
 from model.detokenizer import complete_utf8_text
 from model.messages import LogprobEntry, StepOutput
-
-
-def parse_json_body(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise InvalidRequest("body is not JSON") from None
-
-
-# --- writing ---------------------------------------------------------------------------------------
 
 
 def timings(out: StepOutput) -> dict:

@@ -33,9 +33,9 @@ from functools import partial
 
 from bankml import jstr
 from bankml.errors import InvalidRequest
+from gateway.http.body import parse_body
 from gateway.http.errors import exceed_context, json_response
 from gateway.openai import completion_writer as w
-from gateway.openai.chat_request import parse_body
 from gateway.openai.chat_writer import DONE_EVENT, logprob_entry
 from gateway.openai.completion_request import (
     CompletionRequest,

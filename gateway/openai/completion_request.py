@@ -2,7 +2,7 @@
 reads it, before any model work, and the prompt's tokens once the model is held.
 
 `parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):
-1. the JSON (chat_request.parse_body: nlohmann's parse errors);
+1. the JSON (gateway/http/body.parse_body: nlohmann's parse errors);
 2. `prompt` required (nlohmann's `at()` errors: 400), then for the OpenAI routes
    `oaicompat_completion_params_parse` (tools/server/server-common.cpp): `stop` as a string or an
    array, every other key passed through (`n_predict` over `max_tokens`);

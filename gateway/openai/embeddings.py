@@ -34,9 +34,9 @@ import numpy as np
 
 from bankml import jstr
 from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
+from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.json_values import type_name
-from gateway.openai.chat_request import parse_body
 from gateway.serving.native_model import NativeModel
 from gateway.serving.prompt_input import prompt_count, tokenize_input_prompts
 from gateway.serving.receipt import Tally

@@ -23,14 +23,15 @@ from typing import Any
 
 from bankml import jstr
 from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
+from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.json_values import get_bool, json_value
 from gateway.http.sanic_app import query_of, takes_query
-from gateway.ollama.models import v1_models_data
-from gateway.openai.chat_request import openai_layer, parse_body
+from gateway.openai.chat_request import openai_layer
 from gateway.openai.params_json import params_json
 from gateway.openai.props import props_json
 from gateway.openai.tokenize import detokenize_body, tokenize_json
+from gateway.serving.registry import v1_models_data
 from gateway.serving.tool_calls import plan as tool_plan
 from gateway.serving.tool_calls import read_tools
 from model.messages import SequenceState

@@ -16,9 +16,9 @@ import re
 
 from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest, NotServed
+from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.sanic_app import query_of, takes_query
-from gateway.openai.chat_request import parse_body
 from model.slot_file import SlotFileError, SlotSaveFailed
 
 NO_SLOT_DIR = "This server does not support slots action. Start it with `--slot-save-path`"

@@ -28,8 +28,9 @@ from sanic import HTTPResponse
 from bankml import jstr
 from bankml.errors import FileChanged, ModelUnusable, UpstreamFailed
 from bankml.verify import FileIdentity
+from gateway.http.body import parse_json_body
 from gateway.http.errors import stream_error
-from gateway.openai.chat_writer import parse_json_body, receipt_event
+from gateway.openai.chat_writer import receipt_event
 from gateway.p0.upstream import UpstreamError
 from gateway.serving.receipt import Tally
 

@@ -7,8 +7,8 @@ per sequence before any model work (model/constraint.py).
   any JSON value, as llama-server's json_value default), `text` nothing; otherwise the body's own
   `json_schema`, else `grammar` (GBNF). `fields_grammar(p)` is the /completion reading
   (server-task.cpp, params_from_json_cmpl: `json_schema` unless `grammar` is present).
-- Exact numbers: gateway/chat_request.parse_body reads every number literal that a float would change
-  as a `RawNumber` (a float carrying its text); `exact_json` writes a schema back with those literals,
+- Exact numbers: gateway/http/body.parse_body reads every number literal that a float would change
+  as a `RawNumber` (a float carrying its text, gateway/http/json_values.py); `exact_json` writes a schema back with those literals,
   so `"maximum": 0.1` or `1e400` reaches llguidance as the request wrote it.
 - `attach_constraints(loaded, requests, grammar)`: compiled off the loop with the model's tokenizer,
   one Constraint per sequence (`.copy()` for the further ones), or a 400 with llguidance's reason.
@@ -29,20 +29,10 @@ from dataclasses import replace
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported
+from gateway.http.json_values import RawNumber
 from model import constraint as mc
 
 MAX_SCHEMA_CHARS = 1 << 16  # a JSON schema whose text is longer is refused before it is compiled
-
-
-class RawNumber(float):
-    """A JSON number literal a float would not keep exactly: its value, and its text as sent."""
-
-    text: str
-
-    def __new__(cls, text: str) -> RawNumber:
-        self = super().__new__(cls, float(text))
-        self.text = text
-        return self
 
 
 def exact_json(value: Any) -> str:

@@ -28,7 +28,7 @@ from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from bankml.jstr import jstr
 from bankml.pin import pinned_sha256
 from bankml.verify import gate_model
-from gateway.ollama.shapes import created_at_ns
+from gateway.http.timestamps import created_at_ns
 from gateway.serving.modelfile import (
     PARAMETERS,
     ModelSpec,

@@ -11,6 +11,8 @@ hashed here: a file is verified (guard + sha256) when it is loaded (gateway/serv
 
 `resolve` is spec §2's lookup: exact pin > derived model > alias (the name without a quantization
 suffix, when exactly one pin has that base); anything else is a 404 naming what is served.
+`v1_models_data` is the listing every dialect shares (/v1/models' `data`; Ollama's /api/tags lists the
+same models, gateway/ollama/models.py): pins first, then the derived models whose base is here.
 """
 
 from __future__ import annotations
@@ -317,3 +319,20 @@ class Registry:
         known = self.names() + [d.name for d in self.derived.all()]
         shown = text if len(text) <= MAX_SHOWN_NAME else text[:MAX_SHOWN_NAME]
         raise ModelNotFound(f"model '{shown}' not found: bankml serves pinned models only ({', '.join(known)})")
+
+
+def derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
+    """Every derived model whose base is in the registry, with that base, in the store's order."""
+    out = []
+    for d in registry.derived.all():
+        base = registry.derived.base_pin(d)
+        if base is not None:
+            out.append((d, base))
+    return out
+
+
+def v1_models_data(registry: Registry) -> list[dict]:
+    """/v1/models' `data`: every pin by its file name, then every derived model by its tag."""
+    data = [{"id": p.file_name, "object": "model", "owned_by": "bankML"} for p in registry.pins]
+    data += [{"id": d.tag, "object": "model", "owned_by": "bankML"} for d, _ in derived_with_base(registry)]
+    return data
