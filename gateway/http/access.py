@@ -1,32 +1,20 @@
-"""Who may talk to the server, beyond the loopback rules: browser origins and API keys.
+"""Who may talk to the server beyond the loopback rules: browser origins and API keys (README, "API keys,
+browsers, and the chat template", has every answer).
 
-Both are decided on the request head alone, in the loopback protocol (loopback.py, rules 3 and 8),
-so an unwelcome request never has its body read into memory nor reaches a route or a model.
+Both are decided on the request head alone (loopback.py, rules 3 and 8), so an unwelcome request never
+has its body read nor reaches a route or a model.
 
-Origins. A web page's requests carry `Origin`; a client that is not a browser sends none. Admitted:
-no Origin; the server's own origin (http://127.0.0.1, localhost or [::1] at the port the connection
-came in on: the status page at `GET /` fetches /bankml/status from it); and the origins listed by
-`--allow-origin` / `[serve] allowed_origins`, exactly as the browser serializes them. Any other Origin
-(another port of localhost included, and `null`) is a 403 on every method, as Ollama refuses one
-(its gin-contrib/cors middleware): a page could not read the answer, but a request that is never
-served has no side effect either. A preflight (`OPTIONS`) from a listed origin is answered 204 with
-the CORS headers (and Chrome's private-network header when it asks); any other OPTIONS stays 403.
-A listed origin's answers carry `Access-Control-Allow-Origin` (sanic_app.py adds it, streams
-included, from `LoopbackProtocol.cors_origin`). No `Access-Control-Allow-Credentials`: a key goes in a
-header the page sets itself, so no cookie or HTTP auth ever needs to cross.
+Origins: admitted are no Origin (not a browser), the server's own (loopback at the port served: the
+status page), and those `--allow-origin` lists, exactly as a browser serializes them. Any other is 403 on
+every method, as Ollama refuses one (gin-contrib/cors): a request never served has no side effect either.
+No `Access-Control-Allow-Credentials`: a page sets the key header itself, so no cookie need cross.
 
-API keys. With any key configured, every request needs one, except those to llama-server's public
-endpoints, matched on the path whatever the method, as llama-server matches them (b11434,
-tools/server/server-http.cpp `get_public_endpoints`, as recorded in tests/fixtures/api_key_smollm2.json:
-/health and /v1/health; /models and /v1/models do need a key in that build), and / (our status page).
-The key goes as `Authorization: Bearer KEY`, or as the Authorization value itself (llama-server strips
-an exact "Bearer " prefix, and only that), or, only when there is no Authorization header, as
-`X-Api-Key: KEY` (llama-server's retry for Anthropic's clients). Else 401 in the route's API shape:
-llama-server's `{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}`
-(every route but /api; an unknown path too: the key is asked for before routing, as there), Ollama's
-`{"error": "Invalid API Key"}` under /api. The candidate is compared with every key in constant time
-(sha256 digests of equal length through hmac.compare_digest, all keys every time), so neither the
-key nor which key is near is told by the time. Preflights need no key (browsers send none).
+API keys: llama-server's rules (b11434, tools/server/server-http.cpp; recorded in
+tests/fixtures/api_key_smollm2.json): only its public endpoints (`get_public_endpoints`: /health and
+/v1/health; /v1/models is not one in that build) and our status page go without; an exact "Bearer "
+prefix is stripped; `X-Api-Key` is its retry for Anthropic's clients. The 401 comes before routing (an
+unknown path gets it too), in the route's API shape. Keys are compared as sha256 digests, every key every
+time, so the timing tells nothing.
 """
 
 from __future__ import annotations

@@ -1,49 +1,26 @@
-"""The loopback rules (README, "Serving"), enforced before Sanic parses anything.
+"""The loopback rules (README, "Serving": every limit and message), enforced before Sanic parses anything.
 
-Checks, in the Rust bankml's order (its serve.rs):
-1. while the head is read: a request or header line over 16 KiB (terminator included), or more than
-   100 header lines -> 400; a client that half-closes with a head begun but not complete -> 400; once
-   it is in: a request line that is not three parts, a control byte in the request line or a header
-   line (HTAB aside), CONNECT, a target that is not origin-form (`/`, then only what RFC 3986 allows in
-   a path and query; absolute-form http:// with such a path passes too, RFC 9112 §3.2.2), a header
-   name that is not a token (RFC 9110 §5.1; so no space before the colon, RFC 9112 §5.1) -> 400;
-2. more than one Host header -> 400 (RFC 9112 §3.2); a Host other than 127.0.0.1, localhost or [::1],
-   with no port or one of ASCII digits (a missing Host counts) -> 403;
-3. the Origin rule (access.py): a preflight (OPTIONS) from an origin --allow-origin lists -> 204 with
-   the CORS headers, any other OPTIONS -> 403; any other request whose Origin is neither the server's
-   own nor listed -> 403 (what a non-preflight request with a foreign Origin gets: Ollama's answer; a
-   page could not read the answer anyway, and a request not served has no side effect either).
-   The server's own origin is http://127.0.0.1, localhost or [::1] at the port the request came in on
-   (the status page at GET / fetches from it); a request without Origin is not a browser's;
-4. any Transfer-Encoding -> 400 "chunked requests are not accepted; send Content-Length";
+The checks run in the Rust bankml's order (its serve.rs); the first that fails answers:
+1. while the head is read: a line over 16 KiB, over 100 header lines, a head cut by a half-close; then
+   the request line and header syntax (origin- or absolute-form target, RFC 9112 §3.2; token names,
+   RFC 9110 §5.1; no control byte; no CONNECT) -> 400;
+2. two Host headers -> 400 (RFC 9112 §3.2); a Host that is not loopback -> 403;
+3. the Origin rule and preflights (access.py) -> 204 or 403;
+4. any Transfer-Encoding -> 400 ("send Content-Length");
 5. a Content-Length that is not 1-19 ASCII digits -> 400, over 16 MiB -> 413;
-6. more than one Content-Type header -> 400; a POST whose Content-Type is not application/json (any
-   case, then only `;` parameters) -> 415;
-7. more than 32 open connections on a listener -> 503, decided when the connection is accepted;
-8. with API keys (--api-key, [serve] api_key_file), a request that needs one and has none of them ->
-   401 in its API's JSON shape (access.py), before its body is read.
+6. two Content-Types -> 400, a POST that is not application/json -> 415;
+7. over 32 open connections on a listener -> 503, decided at accept;
+8. API keys (access.py) -> 401, before the body is read.
+A refusal is written at once, then the client's bytes are drained (200 ms at most) before the close, so
+it reads the answer, not a reset. The head and body deadlines ([limits]) exist because a client that
+trickles a byte now and then is never silent. On shutdown a head still coming in gets 503 (shutdown.py).
 
-Refusals are text/plain (the 401 JSON, the preflight's 204 empty) with `Connection: close`. Each is
-written at once, then what the client sent is read and discarded (its announced body, or until it
-pauses for 50 ms) for at most 200 ms before the socket closes, so the client does not lose the answer to a connection reset. Timeouts: 30 s without a
-byte while a request is read (head and body), 120 s blocked on a write; and, since a client that sends
-a byte now and then is never silent, a head not complete within 10 s, a body that after a 10 s grace
-comes slower than 1 KiB/s on average, or a body not complete within 60 s, is answered 408.
-
-Every connection registers with its server's `Shutdown` (shutdown.py): on SIGTERM or SIGINT a head
-still coming in is answered 503, and the answers in flight get the grace period to finish.
-
-Why a protocol of our own rather than Sanic's limits: Sanic's REQUEST_MAX_HEADER_SIZE caps the whole
-head (and at most 16 KiB), not one line, and it answers 413 where the Rust bankml answers 400; Sanic
-accepts chunked bodies; it has no connection limit and no write timeout; and its checks would run in
-another order. So `LoopbackProtocol` reads the head itself, line by line, and only a head that passes
-reaches Sanic, re-serialized with CRLF endings (Sanic's parser needs them; the Rust bankml also accepts a
-bare LF). Sanic's own limits stay on as a second line: REQUEST_MAX_SIZE = 16 MiB, REQUEST_TIMEOUT
-(idle time while the body is read; Sanic restarts that clock at every byte) = 30 s, and its head limit
-is raised to what the line rules allow (101 lines of 16 KiB), which they already enforce.
-
-The pure parts (`HeadReader`, `check_head`, `loopback_host`, `plain_response`) carry no Sanic state,
-so the llama-server proxy (P0) reuses them unchanged, and so does `make_protocol`.
+Why not Sanic's limits: its head cap is on the whole head, not a line, and answers 413 where the Rust
+bankml answers 400; it takes chunked bodies, has no connection limit nor write timeout, and checks in
+another order. They stay on behind ours as a second line. A head that passes reaches Sanic re-serialized
+with CRLF endings (Sanic's parser needs them; a bare LF is accepted here, as by the Rust bankml).
+The pure parts (`HeadReader`, `check_head`, `loopback_host`, `plain_response`) and `make_protocol` hold
+no Sanic state, so P0 reuses them unchanged.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Sanic app both gateways share: one route table dispatched on the exact raw path, the limits of
-`[limits]`, and one error handler. The native gateway (app.py) and P0 (p0.py) differ only in their
-routes and their start/stop hooks.
+`[limits]`, and one error handler. The native gateway (gateway/app.py) and P0 (gateway/p0/app.py) differ
+only in their routes and their start/stop hooks.
 
 An answer to a browser origin that --allow-origin lists (the loopback protocol admitted it, access.py)
 carries `Access-Control-Allow-Origin` with that origin and `Vary: Origin`: Sanic's response middleware

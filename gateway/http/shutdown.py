@@ -2,7 +2,7 @@
 grace period, and those still running then are ended as well as their state allows.
 
 `Shutdown` is shared by the listeners of one server (loopback.make_protocol); every connection
-registers with it, and the app's before-stop listener awaits `stop()` (sanic_app.py, p0.py), before
+registers with it, and the app's before-stop listener awaits `stop()` (sanic_app.py, p0/app.py), before
 Sanic's own shutdown, which then finds nothing left to wait for.
 """
 
@@ -35,11 +35,7 @@ class Connection(Protocol):
 class Shutdown:
     """The open connections of a server's listeners, and how they end when it stops (SIGTERM, SIGINT).
 
-    `stop()`, once, on the serving loop: stop listening (a new connection is refused by the kernel);
-    answer 503 to every connection still sending its head; let the answers in flight finish for up to
-    `grace_s`; then end each one left: a stream with an SSE error event, an answer not yet started with
-    a 503, anything else (a plain answer half written) is cut. Sanic's own shutdown runs after this and
-    finds nothing left to wait for.
+    `stop()` runs once, before Sanic's own shutdown, so that one finds nothing left to wait for.
     """
 
     def __init__(self, grace_s: float = 10.0):

@@ -1,25 +1,17 @@
 """`GET /bankml/metrics`: one record per completed answer, in a ring of 256 (README, "Monitoring").
 
-The record is the Rust bankml's (metrics.rs), key for key and rounded as it rounds, then ours:
-- times: the engine thread's timeline of the answer (model/messages.py, `Timeline`). t0 is when the
-  answer's turn on the engine came, so time queued is excluded. `prompt_ms` runs from t0 to the
-  first token, `eval_ms` from it to the last, `ttft_ms` from t0 to the first token that released
-  text (the same TTFT as the receipt's and Prometheus' bankml_ttft_seconds).
-- rates: `prompt_tps = (prompt - cached) / prompt s` and `eval_tps = completion / eval s` (the
-  end-of-generation token counts, as llama-server counts it), each null unless both terms are > 0.
-- `grammar_ms`: the host time the answer's grammar cost (its masks and advances, measured by
-  model/constraint.py's Constraint; 0 for an unconstrained answer). `resampled` is 0: the mask is applied
-  before the sampler chain, so no token is ever drawn, refused and drawn again.
-- energy: `energy_j` is the engine device's counter over t0..end, read on the engine thread (RAPL
-  when it runs on the CPU, NVML when on NVIDIA GPUs), `joules_per_token` that over the completion
-  tokens. Null where unmeasured, with the reason in the record's `unavailable`; nothing is estimated.
-Added after its keys: `queue_ms`, how long the answer waited for a sequence (behind `max_seqs`
-running ones) before its turn came; `package_energy_j` and `gpu_energy_j` (both counters, whichever the
-engine runs on), `energy_overlapped` (another answer ran during this one: device counters cannot
-split it) and `unavailable`.
+The record is the Rust bankml's (metrics.rs), key for key and rounded as it rounds, then ours (`queue_ms`
+onwards). Times are the engine thread's timeline (model/messages.py `Timeline`) from t0, the answer's turn
+on the engine, so queueing is excluded; `ttft_ms` is to the first token that released text (the same as
+the receipt's and Prometheus' bankml_ttft_seconds). Rates use the end-of-generation counts, as
+llama-server counts them, and are null unless both terms are > 0. `grammar_ms` is the host time of the
+answer's grammar (model/constraint.py); `resampled` is always 0: the mask applies before the sampler
+chain, so nothing is drawn twice. `energy_j` is the engine device's counter over t0..end (RAPL on a CPU,
+NVML on NVIDIA GPUs), null where unmeasured with the reason in `unavailable`: nothing is estimated;
+`energy_overlapped` says another answer ran meanwhile, which device counters cannot split.
 
-Totals are sums over the kept records; energy over the measured ones only. They fall as records age
-out, so lifetime counters live in Prometheus (gateway/monitor/prometheus.py), never here.
+Totals are sums over the kept records (energy over the measured ones), so they fall as records age out;
+lifetime counters live in Prometheus (gateway/monitor/prometheus.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """`POST /api/chat` and `POST /api/generate`: the body read once, before any model work (spec §1.1-§1.4).
 
-`parse_ollama(body, kind, registry, n_ctx, default_keep_alive_s)`, in the spec's order:
-1. the JSON (not JSON: 400 "body is not JSON"); `model` resolved (registry.resolve: absent is the
-   startup model, an unknown name its 404); a derived model's layer applied (gateway/serving/derived.py,
-   `apply_ollama`); `keep_alive` (absent, null or blank: the default; a number or a numeric string is
-   seconds; else a Go duration; 0 unloads, negative is forever); `stream` (default true);
-2. an empty prompt (chat: `messages` missing, not an array or []; generate: `prompt` missing or "")
-   only loads or unloads: nothing else is checked on that path (as in the Rust bankml);
-3. `format` (Ollama's llm/server.go: null or "" nothing, "json" its JSON grammar, an object a
-   schema, anything else its "invalid format" error; with raw too, as Ollama applies it there), then
-   `tools` (chat: gateway/tool_calls.read_tools, as /v1 reads them, `auto` only, as Ollama has no
-   tool_choice; generate: refused, Ollama's generate takes none), the refusals, in order (images,
-   suffix, template, context, think), then `logprobs`/`top_logprobs`, then `options` (each key's rule; the sampler built over the
-   pin's GGUF defaults through llama-server's own field table and checks, gateway/serving/request_fields.py,
-   so a bad value gets the message /v1 gives it), then the messages.
-Every refusal is a 400 `{"error"}`; where the Rust bankml has a message for it (bankML/ollama.rs, the top_k
-range from its sampler.rs), it is that message.
+`parse_ollama` checks in the spec's order, which its body follows line by line: the JSON, `model`
+(registry.resolve; a derived model's layer applied, gateway/serving/derived.py), `keep_alive` (Ollama's
+api/types.go Duration) and `stream`; an empty prompt only loads or unloads, and nothing else is checked
+on that path (as in the Rust bankml); then `format` (Ollama's llm/server.go), `tools` (chat only, `auto`:
+Ollama has no tool_choice), the refusals (§1.2), logprobs, `options` (the sampler built through
+llama-server's field table, gateway/serving/request_fields.py, so a bad value gets the message /v1 gives
+it), the messages. Every refusal is a 400 `{"error"}`, in the Rust bankml's words where it has them
+(bankML/ollama.rs; the top_k range from its sampler.rs).
 """
 
 from __future__ import annotations

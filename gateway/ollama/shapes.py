@@ -1,22 +1,13 @@
-"""`/api/chat` and `/api/generate` answers in Ollama's shapes (spec §1.3, §1.4), written in bankML's JSON
-style (bankml/jstr.py: `", "` and `": "` separators, keys in a fixed order).
+"""`/api/chat` and `/api/generate` answers in Ollama's shapes (spec §1.3, §1.4; Ollama's api/types.go),
+in bankML's JSON style (bankml/jstr.py: fixed key order).
 
-- a streamed answer is NDJSON: one line per non-empty piece, `{"model", "created_at", "message":
-  {"role": "assistant", "content"[, "tool_calls"]} | "response", "done": false[, "logprobs"]}`, then the
-  final object; an answer's tool calls (Ollama's form, gateway/tool_calls.ollama_calls) come whole, on
-  a line of their own before the final one, or in the whole answer's message;
-- the final object: `{"model", "created_at", "message"|"response" (empty when streamed, the whole text
-  when not), "done": true, "done_reason", "total_duration", "load_duration", "prompt_eval_count",
-  "prompt_eval_duration", "eval_count", "eval_duration", "bankml_cache_n", ["logprobs"],
-  "bankml_receipt"}`; a load or unload (an empty prompt) stops after "load_duration"; `created_at` is
-  RFC 3339 with nanoseconds (gateway/http/timestamps.py);
-- durations are integer nanoseconds: total from the request, load the verify + open this request
-  waited for, prompt and eval from the engine thread's timeline (model/messages.py Timeline);
-  `eval_count` is the engine's completion count, the end-of-turn token included;
-- a logprob entry is Ollama's (api/types.go Logprob): `{"token", "logprob", "bytes"?,
-  "top_logprobs"?}`, no `id`; empty `bytes` and an empty top list are left out; `token` is cut before a
-  character its bytes leave unfinished. The receipt's `logprobs_sha256` covers the arrays as written
-  (gateway/serving/receipt.py: the lines' entries joined into one array are the same text).
+A stream is NDJSON, one line per non-empty piece, then the final object; tool calls (Ollama's form,
+gateway/serving/tool_calls.ollama_calls) come whole, on a line of their own before the final one. A load
+or unload (an empty prompt) ends its final object at `load_duration`. Durations are integer nanoseconds:
+load is the verify + open this request waited for, prompt and eval the engine thread's timeline
+(model/messages.py `Timeline`); `eval_count` includes the end-of-turn token. A logprob entry is
+api/types.go's `Logprob` (no `id`; empty `bytes` and top list left out); the receipt's `logprobs_sha256`
+covers the arrays as written (gateway/serving/receipt.py).
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """`POST /v1/chat/completions`: the answer written in OpenAI's shapes (the request is read by
-gateway/openai/chat_request.py).
+gateway/openai/chat_request.py), in bankML's JSON style (bankml/jstr.py) with the top-level keys in
+llama-server's order (tools/server/server-task.cpp `to_json_oaicompat_chat*`).
 
-Writing (bankML's JSON style, bankml/jstr.py: `", "` and `": "` separators; the top-level keys in the
-order llama-server writes them, tools/server/server-task.cpp `to_json_oaicompat_chat*`):
-- non-streamed: `{"choices": [{"finish_reason", "index", "message": {"role", "content"},
-  ["logprobs": {"content": [...]}]}], "created", "model", "system_fingerprint", "object":
-  "chat.completion", "usage", "id", "timings", "bankml_receipt"}`;
-- streamed (SSE): every chunk is `{"choices", "created", "id", "model", "system_fingerprint",
-  "object": "chat.completion.chunk"}`, with one `id` for the whole answer. A role delta
-  (`{"role": "assistant", "content": null}`) opens the stream, as OpenAI sends it (llama-server
-  sends it with the first token's result, so not at all when that token ends inside a character);
-  then one chunk per text piece; then a chunk with an empty delta and the finish_reason. Without
-  `stream_options.include_usage` that chunk carries `usage` (as bankML always has; llama-server
-  omits it) and `timings.cache_n`; with it, `usage` and `timings` come in one more chunk whose
-  `choices` is `[]`, as llama-server and OpenAI send it. Then `data: {"choices": [], "bankml_receipt":
-  ...}` (an empty `choices`, so a client that reads `choices` on every chunk does not break), then
-  `data: [DONE]`. With logprobs, each entry rides on the chunk its token's text makes (on the role
-  delta when the first token has none).
-- `system_fingerprint` is `b<bankml's version>` (llama-server writes its build, `b<number>-<commit>`):
-  it names the server that answered; the backend is in the receipt's `engine`.
-- a logprob entry (llama-server's `probs_vector_to_json`): `{"id", "token", "bytes", "logprob",
-  "top_logprobs": [{"id", "token", "bytes", "logprob"}]}`; `token` is the text the stop filter
-  released at that token, cut before a character its bytes leave unfinished; `bytes` are raw.
-- `usage` has llama-server's `prompt_tokens_details.cached_tokens`.
+A stream: the role delta first, as OpenAI sends it (llama-server sends it with the first token's text,
+so not at all when that token ends inside a character); a chunk per text piece; the finish_reason's
+chunk, which carries `usage` unless `stream_options.include_usage` asks for a usage chunk of its own
+(`choices: []`, as llama-server and OpenAI send it; llama-server omits usage otherwise); the receipt
+event; `data: [DONE]`. A logprob entry (llama-server's `probs_vector_to_json`) rides on the chunk its
+token's text makes (the role delta when the first token makes none); its `token` is cut before a
+character its raw `bytes` leave unfinished.
+`system_fingerprint` is `b<bankml's version>`: it names the server that answered (llama-server writes
+its build); the backend is in the receipt's `engine`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`: the body read as llama-server
-reads it, before any model work, and the prompt's tokens once the model is held.
+"""`POST /completion` (and its alias `/completions`), `/v1/completions`, `/infill`: the body read as
+llama-server reads it (b11434), before any model work, and the prompt's tokens once the model is held.
 
-`parse_completion(doc, defaults, oai=...)`, in llama-server's order (b11434):
-1. the JSON (gateway/http/body.parse_body: nlohmann's parse errors);
-2. `prompt` required (nlohmann's `at()` errors: 400), then for the OpenAI routes
-   `oaicompat_completion_params_parse` (tools/server/server-common.cpp): `stop` as a string or an
-   array, every other key passed through (`n_predict` over `max_tokens`);
-3. llama-server's field table and sampler set-up (request_fields.read_fields), `n` read up to
-   `N_UNBOUNDED` here and against the engine's sequences once the model is held (`check_n`, the
-   table's own `Field 'n': Value must be between 1 <= value <= N` with N = `[engine] max_seqs`,
-   llama-server's n_parallel);
-4. ours (chat_request.refuse_unsupported, the same refusals as a chat: `echo` among them), less
-   `timings_per_token` and `return_progress`, honoured (every output carries the engine thread's
-   timeline; the engine reports each prefill chunk of a request that asks); on the OpenAI
-   routes `suffix` and `best_of` (b11434 ignores all three, which would answer something else than
-   what the client asked for).
-
-`prompt_tokens(model, prompt)` is `tokenize_input_prompts` (gateway/serving/prompt_input.py, shared with the
-embedding routes): a string, a list of token ids, a list mixing both, an object, or a list of those
-(each its own sequence); then every id is checked against the vocabulary, as llama-server's
-`server_tokens::validate` does when the task starts.
+`parse_completion`, in llama-server's order: the JSON (gateway/http/body.parse_body); `prompt` required
+(nlohmann's `at()` errors); on the OpenAI routes `oai_layer`; llama-server's field table
+(request_fields.read_fields), `n` bounded only once the model is held (`check_n`, against `[engine]
+max_seqs`, llama-server's n_parallel); then ours, as for a chat (chat_request.refuse_unsupported), less
+`timings_per_token` and `return_progress`, which are honoured. `prompt_tokens` is llama-server's
+`tokenize_input_prompts` (gateway/serving/prompt_input.py), every id then checked against the vocabulary
+as `server_tokens::validate` does when the task starts.
 """
 
 from __future__ import annotations

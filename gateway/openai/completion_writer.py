@@ -1,22 +1,12 @@
-"""The completion answers written as llama-server writes them (tools/server/server-task.cpp).
+"""The completion answers written as llama-server writes them (tools/server/server-task.cpp): /completion
+as `to_json_non_oaicompat` (cut to `response_fields` when asked, `json_get_nested_values`), /v1/completions
+as `to_json_oaicompat` (`/completions` is /completion's alias in b11434).
 
-- `/completion` (`to_json_non_oaicompat`): one object per sequence, `{"index", "content", "tokens",
-  "id_slot", "stop": true, "model", "tokens_predicted", "tokens_evaluated", "generation_settings",
-  "prompt", "has_new_line", "truncated", "stop_type", "stopping_word", "tokens_cached", "timings",
-  ["completion_probabilities"]}` (a list of them for a list of prompts or `n` > 1), cut to
-  `response_fields` when asked (`json_get_nested_values`: a path `a/b` names a nested key, and the
-  answer keys it by the whole path). Streamed, one event per token, `{"index", "content", "tokens",
-  "stop": false, "id_slot", "tokens_predicted", "tokens_evaluated", ["timings"],
-  ["completion_probabilities"]}`, then the final object with the stream's empty `content`; no
-  `[DONE]` (llama-server sends none on this route). With return_progress, `prompt_progress` events
-  come first: one as the prompt starts, one after each prefill chunk.
-- `/v1/completions` (`to_json_oaicompat`; `/completions` is /completion's alias in b11434): `{"choices": [{"text", "index", "logprobs", "finish_reason"}],
-  "created", "model", "system_fingerprint", "object": "text_completion", "usage", "id", "timings"}`;
-  streamed, the same shape per token with `finish_reason` null and `timings` only when asked
-  (timings_per_token), then the final chunk, then `[DONE]`.
-Every answer carries `bankml_receipt`: a key of each answer object (of each choice when there are
-several), or (streamed) a key of the sequence's final event, which carries no text: an event of its
-own would break llama-server's clients (its test suite reads `stop` on every /completion event, the
+Streamed, /completion sends one event per token, then the final object with an empty `content`, and no
+`[DONE]` (llama-server sends none there); /v1/completions ends with `[DONE]`. With return_progress,
+`prompt_progress` events come first. Every answer carries `bankml_receipt` as a key of each answer object
+(each choice's when there are several) or of the sequence's final event, never as an event of its own:
+that would break llama-server's clients (its test suite reads `stop` on every /completion event, the
 `openai` client `choices[0]` on every chunk).
 """
 

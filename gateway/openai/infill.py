@@ -1,28 +1,16 @@
 """llama-server's `/infill` prompt: its body checks and the fill-in-the-middle token layout it builds.
 
-The route (A's, /completion with this prompt) runs, as llama-server's `post_infill` does
-(tools/server/server-context.cpp):
-1. `require_fim(model)`: a model without FIM prefix, suffix or middle tokens is refused first,
-   before the body is even parsed (an unparsable body gets it too): 501 not_supported_error,
-   "Infill is not supported by this model: prefix token is missing. ...";
-2. `check_infill_body(doc)`: its 400s for `input_extra` and its chunks, and the type errors its JSON
-   library raises while reading `input_prefix`, `input_suffix` and `prompt`;
-3. `infill_prompt(model, doc, ...)`: `format_prompt_infill` (tools/server/server-common.cpp), with
-   `spm_infill` off (llama-server's default; we take no `--spm-infill`):
+The route (/completion with this prompt) runs as llama-server's `post_infill` does
+(tools/server/server-context.cpp): `require_fim` first (a model without FIM tokens is refused before
+the body is even parsed), then `check_infill_body`, then `infill_prompt`, which is
+`format_prompt_infill` (server-common.cpp) with `spm_infill` off (its default; we take no --spm-infill):
 
-       [extra tail] [BOS] FIM_PRE prefix prompt FIM_SUF suffix FIM_MID
+    [extra context tail] [BOS] FIM_PRE prefix prompt FIM_SUF suffix FIM_MID
 
-   where the extra context is `FIM_REP "myproject\n"` (when the model has FIM_REP), then per
-   `input_extra` chunk `FIM_SEP "<filename>\n" <text>` (or, without FIM_SEP, the separator
-   "\n\n--- snippet ---\n\n" before each text), then `FIM_SEP "filename\n"`. Yes, the request's
-   `prompt` goes right after the prefix, before FIM_SUF, not after FIM_MID: that is what b11434 sends
-   to the model, and what its clients (llama.vim, llama.vscode) are tuned for.
-
-The budget is llama-server's: the prefix keeps its last 3/4 of a batch, the suffix its first
-quarter of a batch less the prompt and 2, and the extra context its last `n_ctx - n_batch - 2 *
-n_predict` tokens, where n_predict is the server's `--n-predict` (-1 unless set), not the
-request's. The prefix and suffix are tokenized without special tokens (a prefix that writes
-"<|im_end|>" is text); the prompt with them; none adds BOS.
+Yes, the request's `prompt` goes after the prefix, not after FIM_MID: that is what b11434 sends to the
+model, and what its clients (llama.vim, llama.vscode) are tuned for. The budget is llama-server's, with
+its server's --n-predict, not the request's; the prefix and suffix are tokenized without special tokens
+(a prefix that writes "<|im_end|>" is text), the prompt with them, none with BOS.
 """
 
 from __future__ import annotations

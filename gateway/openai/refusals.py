@@ -1,14 +1,10 @@
 """llama-server's routes that bankml serve --native does not serve, each refused by name.
 
-An unknown route is a 404 (the routes' list, as the Rust bankml answers it); a route llama-server
-b11434 has (tools/server/server.cpp's table) gets a clear refusal instead, so its client learns why:
-501 not_supported_error, in llama-server's error shape, with the reason. Where llama-server itself
-refuses a route in its default configuration, it is refused with llama-server's own answer (the
-recorded one: tests/fixtures/llama_small_smollm2.json), since that is true here too:
-- /cors-proxy and /tools: 403 `{"error": {"message": "this feature is disabled", "type":
-  "feature_disabled"}}` (the Web UI's MCP proxy and server tools, off unless asked for).
-GET /lora-adapters is served truthfully: no adapter is loaded, `[]`, as llama-server answers without
---lora; changing them (POST) is refused.
+An unknown route is a 404 (as the Rust bankml answers it); a route llama-server b11434 has
+(tools/server/server.cpp's table) gets 501 not_supported_error with the reason instead, so its client
+learns why. Where llama-server itself refuses a route by default (/cors-proxy, /tools), or answers it
+truthfully for us too (GET /lora-adapters: `[]`), its own recorded answer is given
+(tests/fixtures/llama_small_smollm2.json).
 """
 
 from __future__ import annotations

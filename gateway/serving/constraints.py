@@ -1,21 +1,16 @@
 """Structured output on the gateway: a request's schema or grammar as llguidance grammar text, compiled
 per sequence before any model work (model/constraint.py).
 
-- `chat_grammar(p, request)` (/v1/chat/completions) follows llama-server's oaicompat_chat_params_parse
-  (tools/server/server-common.cpp, b11434): `response_format` `json_object` is any object (its `schema`
-  key, when present, is read as the schema), `json_schema` reads `json_schema.schema` (absent: `{}`,
-  any JSON value, as llama-server's json_value default), `text` nothing; otherwise the body's own
-  `json_schema`, else `grammar` (GBNF). `fields_grammar(p)` is the /completion reading
-  (server-task.cpp, params_from_json_cmpl: `json_schema` unless `grammar` is present).
-- Exact numbers: gateway/http/body.parse_body reads every number literal that a float would change
-  as a `RawNumber` (a float carrying its text, gateway/http/json_values.py); `exact_json` writes a schema back with those literals,
-  so `"maximum": 0.1` or `1e400` reaches llguidance as the request wrote it.
-- `attach_constraints(loaded, requests, grammar)`: compiled off the loop with the model's tokenizer,
-  one Constraint per sequence (`.copy()` for the further ones), or a 400 with llguidance's reason.
-  String keys of `logit_bias` are tokenized here too (llama-server: each token of the string gets the
-  bias), and ids past the vocabulary dropped, as llama-server drops them.
-- `prebuild_tokenizer(loaded)`: llguidance's tokenizer built in a background thread when a model is
-  loaded, so the first constrained request waits for it only if it comes before the build is done.
+- `chat_grammar` follows llama-server's oaicompat_chat_params_parse (tools/server/server-common.cpp,
+  b11434): `response_format` first, then the body's `json_schema`, else `grammar` (GBNF);
+  `fields_grammar` is the /completion reading (server-task.cpp, params_from_json_cmpl).
+- Exact numbers: body.parse_body keeps every number literal a float would change as a `RawNumber`
+  (gateway/http/json_values.py), and `exact_json` writes it back, so `"maximum": 0.1` or `1e400` reaches
+  llguidance as the request wrote it.
+- `attach_constraints`: compiled off the loop, one Constraint per sequence (`.copy()` for the others), or
+  a 400 with llguidance's reason; string keys of `logit_bias` are tokenized here too, as llama-server does.
+- `prebuild_tokenizer`: llguidance's tokenizer is built in the background when a model loads, so only a
+  constrained request that comes before the build is done waits for it.
 """
 
 from __future__ import annotations

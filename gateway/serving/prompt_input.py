@@ -3,19 +3,11 @@
 /v1/completions (field "prompt") and the embedding routes (field "input"), as b11434 uses the one
 function for both (recorded: tests/fixtures/completions_smollm2.json and embeddings_smollm2.json).
 
-- a string, or an array mixing integer ids and strings (at least one of each): one prompt, the
-  strings tokenized with special tokens parsed, BOS only before a first element that is a string
-  (tokenize_mixed);
-- an array of integer ids: one prompt, the ids as they are (the routes check them against the
-  vocabulary, each as llama-server does when its task starts);
-- an object: `prompt_string` (a string, else nlohmann's type_error; with `multimodal_data`
-  b11434's 500 for a text-only model), else `content` as OpenAI's parts, whose texts are joined
-  (image and audio parts b11434's 500s);
-- any other array: a list of prompts, each one of the above (empty: '"<field>" must not be empty');
-- anything else: the "elements" 400. A float or a boolean is not an id (nlohmann's is_number_integer).
-
-`limit`: the tokenizer stops once a string is sure to make more tokens (TokenLimitExceeded, for the
-route to answer), so a 16 MiB prompt costs no more than a long one.
+One prompt is a string, a list of ids, a list mixing both (BOS only before a first string element,
+`tokenize_mixed`) or an object (`_object_text`); any other list is a list of prompts. The ids are not
+checked here: the routes check them against the vocabulary, as llama-server does when its task starts.
+A float or a boolean is not an id (nlohmann's is_number_integer). `limit`: the tokenizer stops once a
+string is sure to make more tokens (TokenLimitExceeded), so a 16 MiB prompt costs no more than a long one.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """The request's fields, read as llama-server reads them (tools/server/server-schema.cpp, b11434), then
 ours: what this engine does not do is refused by name.
 
-`read_fields(params, defaults)` walks llama-server's field table in its order, so the first bad field
-is the one llama-server names:
-- a field is read under its name, else its aliases in order (`max_tokens` is an alias of
-  `n_predict`); null counts as absent;
-- a number converts as nlohmann's `get<T>()` does (gateway/http/json_values.py); a wrong type is
-  `Field 'x': [json.exception.type_error.302] ...`;
-- a hard limit refuses: `Field 'x': Value must be between A <= value <= B, but got V`; a soft one
-  clamps (top_p 7 becomes 1, top_k -4 becomes 0, temperature -1 becomes 0);
-- then what llama-server checks when it builds the sampler (common/sampling.cpp):
-  `Failed to initialize samplers: penalty_repeat must be finite and greater than 0`, ...
-Everything is 400 `invalid_request_error`. Only after llama-server's own checks come ours
-(`refuse_unsupported`): a value that would make llama-server answer differently from what this
-engine can do is a 400 naming the field ("refuse, never approximate"); `IGNORED` lists the fields
-read and dropped, each with why it cannot change the answer. A few bounds llama-server does not have
-are ours too, where a small body would cost the engine much: the number of DRY breakers and of stop
-strings, a stop's length, a grammar's length and nesting (each a 400 naming the field).
+`read_fields` walks llama-server's field table (`FIELDS`) in its order, so the first bad field is the one
+llama-server names, in its words: aliases tried in order, null as absent, numbers converted as
+nlohmann's `get<T>()` (gateway/http/json_values.py), a hard limit refused and a soft one clamped, then
+the sampler set-up's checks (common/sampling.cpp). Every refusal is 400 `invalid_request_error`.
+Then ours (`refuse_unsupported`): a value this engine cannot honour is a 400 naming the field ("refuse,
+never approximate"); `IGNORED` lists the fields read and dropped, each with why it cannot change the
+answer; and a few bounds llama-server lacks (DRY breakers, stop strings, grammar size), where a small
+body would cost the engine much.
 """
 
 from __future__ import annotations
@@ -285,13 +277,10 @@ def _read(f: Field, name: str, v: Any, request: dict, p: dict) -> None:
 
 
 def read_fields(request: dict, defaults: SamplingParams, n_max: int = 1) -> dict:
-    """llama-server's task params from a request (after the OpenAI layer): a dict of what was read.
-
-    Starts from `defaults` (llama.cpp's, under the GGUF's general.sampling.*) and raises llama-server's
-    400 for the first bad field, then for what its sampler set-up refuses. `n_max`: the bound of `n`
-    (llama-server's n_parallel); a route that checks `n` against the engine's sequences once it holds
-    the model passes more than 1 and `n` is then read as any int32 here.
-    """
+    """llama-server's task params from a request (after the OpenAI layer), over `defaults` (llama.cpp's,
+    under the GGUF's general.sampling.*); raises llama-server's 400 for the first bad field. `n_max` bounds
+    `n` (llama-server's n_parallel); a route that checks `n` against the engine once it holds the model
+    passes more than 1."""
     p: dict[str, Any] = {k: getattr(defaults, k) for k in SamplingParams.__dataclass_fields__}
     p.update(stream=False, include_usage=False, n=1)
     for f in FIELDS:

@@ -1,33 +1,18 @@
 """Tool calls on the native engine: the request's `tools` read, the prompt and grammar they make for the
 served template, and the answer parsed back into OpenAI's `tool_calls`.
 
-The formats, chosen from the template's text as llama.cpp's common/chat.cpp chooses them:
-- `hermes` (a template that writes `<tool_call>`: Hermes 2 Pro, Qwen 2.5/3): the tools go to the template;
-  a call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, text around the calls is
-  content;
-- `llama3` (a template with an `ipython` header: Llama 3.1-3.3): the tools go to the template; a call is
-  the whole answer, `{"name": ..., "parameters": {...}}` (`<|python_tag|>` before it allowed);
-- `generic`, every other template (SmolLM2's and Gemma 3's know no tools), as llama.cpp's
-  `common_chat_params_init_generic`: a system instruction (its words), the tools passed to the template
-  (which may ignore them), and the answer always constrained to one JSON object: `{"tool_call": {...}}`
-  (`{"tool_calls": [...]}`, at most MAX_CALLS, with parallel_tool_calls) or, unless a call is
-  required, `{"response": "..."}`. A call in the history is written back into the conversation in
-  that same JSON (the template would drop it), and a tool's result as a user turn
-  `{"tool_response": {"tool", "content"}}`, so the model reads its own protocol. Unlike llama.cpp's
-  generic schema, the model writes no call `id` (a small model spends up to 64 tokens on each, and
-  repeats them): every call's id is ours, 32 random letters and digits, as in the other formats.
+The format is chosen from the template's text as llama.cpp's common/chat.cpp chooses it (`tool_format`):
+`hermes` (`<tool_call>` JSON `</tool_call>`: Hermes 2 Pro, Qwen 2.5/3), `llama3` (an `ipython` header:
+the whole answer is one call), else `generic` (`common_chat_params_init_generic`: a system instruction
+and an answer constrained to `{"tool_call"|"tool_calls"|"response": ...}`; past calls and tool results are
+written back in that JSON, which a template without tools would drop). Unlike llama.cpp's generic schema,
+the model writes no call `id`: a small model spends up to 64 tokens on each; every id is ours.
 
-`tool_choice`: `auto` (default), `none` (no tools in the prompt, nothing parsed: the answer is the one
-without tools), `required`, or `{"type": "function", "function": {"name"}}` (that function, required).
-A call's arguments are constrained to its function's parameters, each object closed to the properties it
-declares (`closed`, as OpenAI's strict mode; a schema that sets `additionalProperties` keeps it). A template
-that does not read `tools` gets them listed in the generic instruction (`generic_system`), as minja's
-polyfill lists them. A required call is constrained by a grammar for every format, so it always parses;
-under `auto`, only the generic format constrains (its answer is JSON either way), and a hermes/llama3
-answer that does not parse as a call stays content. `parallel_tool_calls` defaults to false, as llama-server reads it.
-
-The receipt's `response_sha256` is over the model's text as generated, from which content and calls are
-parsed (the same text in a stream and in a whole answer).
+A call's arguments are constrained to its function's parameters, each object `closed` (OpenAI's strict
+mode). A required call is constrained in every format, so it always parses; under `auto` only the generic
+format constrains, and a hermes/llama3 answer that does not parse stays content. `parallel_tool_calls`
+defaults to false, as llama-server reads it. The receipt's `response_sha256` covers the model's text as
+generated, before content and calls are parsed out of it.
 """
 
 from __future__ import annotations
