@@ -278,13 +278,13 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     # after the first load: jax has started, the device is known
     residency.budget_bytes = device_budget.memory_budget_bytes() if budget_bytes is None else budget_bytes
 
-    def recent_engine():  # the limiter reads the most recently used model's engine and its snapshot
+    def recent_engine():  # the limiter reads the most recently used model's engine (its max_seqs) and snapshot
         r = residency.most_recent()
-        return r.client.thread.engine if r is not None else None
+        return r.client if r is not None and r.client.has_engine else None
 
     def recent_stats():
         r = residency.most_recent()
-        return r.client.thread.stats() if r is not None else None
+        return r.client.stats() if r is not None else None
 
     limiter.register(device_budget.limiter_provider(recent_engine, memory_fraction=memory_fraction,
                                                     max_seqs=max_seqs, stats=recent_stats, note=fraction_note))

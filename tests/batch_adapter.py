@@ -1,25 +1,75 @@
 """The engine thread's batch protocol (model.engine_thread.BatchEngine) over the tests' generator
 engines (the fake engine, the replay engine): up to `max_seqs` generations, admitted first come first
 served, each advanced one step per iteration. An exception in one generation ends that request alone
-with an error; a BaseException goes on up and kills the engine thread, as a real one would."""
+with an error; a BaseException goes on up and kills the engine thread, as a real one would.
+
+The rest of what the engine handle asks of an engine (gateway/serving/engine_handle.py `ServedEngine`)
+is here too, plainly: a tokenizer of one token per byte, warm at once, 1 MiB on the CPU, no weights
+report, embeddings from the tokens' numbers (`fake_embedding`), a prompt scored as certain, and no KV
+cache to save a slot from. tests/test_engine_handle.py checks that every fake has all of it."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from model.engine_thread import _why
 from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SamplingParams, StepOutput
+from model.slot_file import SlotFileError, SlotResult, SlotSaveFailed
+
+NO_KV_CACHE = "the fake engine keeps no KV cache"
+
+
+class FakeTokenizer:
+    bos_token = ""
+    eos_token = "<|im_end|>"
+    add_bos = False
+    add_eos = False
+
+    def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
+        return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
+
+    n_vocab = 256  # one token per byte value
+
+    def token_to_piece(self, token: int, special: bool) -> bytes:
+        return bytes([token])
+
+    def decode(self, ids, special: bool = False) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
+
+def fake_embedding(tokens: list[int]):
+    """The fake engine's (unnormalized) embedding of a token list: 8 float32 numbers from its tokens."""
+    import numpy as np
+
+    t = np.asarray(tokens, np.float64)
+    return np.array([len(t), t.mean(), t[0], t[-1], t.max(), t.min(), -1.5, 1e-7], np.float32)
+
+
+@dataclass(frozen=True)
+class FakeScored:
+    """model.score.Scored's shape (without importing jax): a position's logprob and its top tokens."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class GeneratorBatch:
     max_seqs = 1
+    n_ctx = 4096
+    on_accelerator = False  # what /api/ps's size_vram reads: a CPU's engine, whatever device JAX found
+    # embeddings (gateway/serving/embeddings.py): mean pooling, n_embd numbers per input
+    pooling = 1
+    n_embd = 8
+    n_vocab = 49152  # SmolLM2's: recorded token inputs are in range (the fake's own tokens are bytes)
 
     def __init__(self):
         self._waiting: deque[tuple[int, GenerateRequest]] = deque()
         self._running: dict[int, tuple[GenerateRequest, Iterator[StepOutput], list[int]]] = {}
         self._next_task = 0
+        self.tokenizer = FakeTokenizer()
 
     def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
                  request_id: str = "generate") -> Iterator[StepOutput]:
@@ -78,6 +128,42 @@ class GeneratorBatch:
 
     def stats(self) -> EngineStats:
         return EngineStats(max_seqs=self.max_seqs, running=len(self._running), waiting=len(self._waiting))
+
+    # --- the rest of the handle's ServedEngine --------------------------------------------------------
+
+    @property
+    def scheduler(self) -> GeneratorBatch:
+        return self  # its own scheduler: a slot is a running generation's place, in admission order
+
+    def slot_busy(self, slot: int) -> bool:
+        return slot < len(self._running)
+
+    def warmup(self) -> float:
+        return 0.0
+
+    def compile_in_background(self) -> None:
+        return None  # nothing to compile
+
+    def memory_bytes(self) -> int:
+        return 1 << 20
+
+    def weights_report(self) -> dict | None:
+        return None  # the fakes do not report their weights (GET /bankml "weights" null)
+
+    def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list:
+        return [fake_embedding(list(t)) for t in token_lists]
+
+    def prompt_logprobs(self, tokens: Sequence[int], n_probs: int = 0) -> list:
+        return [FakeScored(0.0, [(int(t), 0.0)][:n_probs]) for t in tokens[1:]]  # certain of every token
+
+    def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
+        raise SlotSaveFailed(NO_KV_CACHE)
+
+    def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
+        raise SlotFileError(NO_KV_CACHE)
+
+    def erase_slot(self, slot: int) -> int:
+        return 0
 
 
 def _error(request: GenerateRequest, why: str) -> StepOutput:

@@ -18,7 +18,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from batch_adapter import FakeTokenizer as FakeTokenizer  # re-exported: the tests' byte tokenizer
 from batch_adapter import GeneratorBatch
+from batch_adapter import fake_embedding as fake_embedding  # re-exported: the vectors the fake embeds
 
 from model.messages import EngineStats, FinishReason, SamplingParams, SequenceState, StepOutput
 
@@ -30,30 +32,12 @@ class EngineDeath(BaseException):
     pass
 
 
-class FakeTokenizer:
-    bos_token = ""
-    eos_token = "<|im_end|>"
-    add_bos = False
-    add_eos = False
-
-    def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
-        return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
-
-    n_vocab = 256  # one token per byte value
-
-    def token_to_piece(self, token: int, special: bool) -> bytes:
-        return bytes([token])
-
-    def decode(self, ids, special: bool = False) -> str:
-        return bytes(ids).decode("utf-8", "replace")
-
-
 class FakeEngine(GeneratorBatch):
-    on_accelerator = False  # what /api/ps's size_vram reads: a CPU's engine
+    """The rest of the engine's surface (embeddings, slot files, a prompt's logprobs...) is
+    GeneratorBatch's (tests/batch_adapter.py)."""
 
     def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1, size_bytes: int = 1 << 20):
         super().__init__()
-        self.tokenizer = FakeTokenizer()
         self.n_ctx = n_ctx
         self.step_s = step_s
         self.max_seqs = max_seqs
@@ -82,14 +66,6 @@ class FakeEngine(GeneratorBatch):
     def warmup(self) -> float:
         return 0.25
 
-    # embeddings (gateway/openai/embeddings.py, ollama_embed.py): mean pooling, n_embd numbers per input
-    pooling = 1
-    n_embd = 8
-    n_vocab = 49152  # SmolLM2's: recorded token inputs are in range (the fake's own tokens are bytes)
-
-    def embed(self, token_lists: list[list[int]], pooling: int | None = None) -> list:
-        return [fake_embedding(t) for t in token_lists]
-
     def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
                  request_id: str = "generate") -> Iterator[StepOutput]:
         params = params or SamplingParams()
@@ -116,14 +92,6 @@ class FakeEngine(GeneratorBatch):
                     return
         finally:
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
-
-
-def fake_embedding(tokens: list[int]):
-    """The fake engine's (unnormalized) embedding of a token list: 8 float32 numbers from its tokens."""
-    import numpy as np
-
-    t = np.asarray(tokens, np.float64)
-    return np.array([len(t), t.mean(), t[0], t[-1], t.max(), t.min(), -1.5, 1e-7], np.float32)
 
 
 def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1,
@@ -154,3 +122,81 @@ def fake_estimate(size_bytes: dict[str, int] | None = None):
 def model_name(path: str) -> str:
     name = path.rsplit("/", 1)[-1].lower()
     return name[:-5] if name.endswith(".gguf") else name
+
+
+class StubHandle:
+    """The engine handle's whole surface (gateway/serving/engine_handle.py `EngineHandle`), for a test that
+    hands a route its own outputs without an engine thread: it overrides what the route should use, and
+    anything else the route asks for fails the test by name."""
+
+    def _unexpected(self, name: str):
+        raise AssertionError(f"the route asked the engine handle for {name}, which this test does not stub")
+
+    def generate(self, request):
+        self._unexpected("generate")
+
+    def generate_all(self, requests):
+        self._unexpected("generate_all")
+
+    @property
+    def failure(self) -> str | None:
+        return None  # the thread runs
+
+    def stats(self):
+        self._unexpected("stats")
+
+    def in_flight(self) -> tuple[int, int]:
+        self._unexpected("in_flight")
+
+    @property
+    def max_seqs(self) -> int:
+        return 1
+
+    def free_slots(self) -> int:
+        self._unexpected("free_slots")
+
+    @property
+    def has_engine(self) -> bool:
+        return True
+
+    def set_meter(self, meter) -> None:
+        self._unexpected("set_meter")
+
+    async def prompt_logprobs(self, ids: list[int], n_probs: int) -> list:
+        self._unexpected("prompt_logprobs")
+
+    async def embedding_shape(self):
+        self._unexpected("embedding_shape")
+
+    async def embed(self, token_lists: list[list[int]]) -> list:
+        self._unexpected("embed")
+
+    def slot_busy(self, slot: int) -> bool:
+        self._unexpected("slot_busy")
+
+    async def save_slot(self, slot: int, path: str, model_sha256: str):
+        self._unexpected("save_slot")
+
+    async def restore_slot(self, slot: int, path: str, model_sha256: str):
+        self._unexpected("restore_slot")
+
+    async def erase_slot(self, slot: int) -> int:
+        self._unexpected("erase_slot")
+
+    def weights_report(self) -> dict | None:
+        return None
+
+    async def load(self, build):
+        self._unexpected("load")
+
+    def load_blocking(self, build):
+        self._unexpected("load_blocking")
+
+    def compile_rest(self) -> None:
+        self._unexpected("compile_rest")
+
+    async def unload(self) -> None:
+        self._unexpected("unload")
+
+    def stop(self) -> None:
+        self._unexpected("stop")

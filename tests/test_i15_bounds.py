@@ -12,7 +12,7 @@ import pytest
 from gateway_helpers import FakeServer, tiny_model
 
 from bankml.errors import Overloaded
-from gateway.openai.embeddings import MAX_INPUTS
+from gateway.serving.embeddings import MAX_INPUTS
 from model.engine_thread import EngineThread
 from model.messages import GenerateRequest, SamplingParams
 

@@ -17,10 +17,12 @@ from jax import export
 from tiny_gguf import write_tiny_gguf
 
 from gateway.monitor.bankml_routes import bankml_info
+from gateway.serving.engine_client import EngineClient
 from kernels import ops
 from kernels.qlayout import QWeight, qmatmul_ref, random_raw, to_qweight
 from model import wiring_check
 from model.engine import Engine
+from model.engine_thread import EngineThread
 from model.forward import forward
 from model.kvcache import init_pool
 from model.messages import GenerateRequest, SamplingParams
@@ -145,11 +147,16 @@ def test_engine_loads_the_device_layout_and_reports_it(tmp_path):
     assert kernels["decode_attention"]["impl"] == kernels["prefill_attention"]["impl"] == "jnp"
     assert engines["packed"].weights_report()["layout"] == "packed"
 
-    # GET /bankml shows it for the resident engine
-    loaded = SimpleNamespace(name="m", client=SimpleNamespace(thread=SimpleNamespace(engine=engines["device"])))
-    state = SimpleNamespace(residency=SimpleNamespace(last=None, names=["m"], resident=lambda: [loaded],
-                                                      most_recent=lambda: loaded), compat_listen=None)
-    assert bankml_info(state)["weights"] == report
+    # GET /bankml shows it for the resident engine, through its handle
+    thread = EngineThread()
+    try:
+        thread.call(lambda: thread.set_engine(engines["device"])).result(30)
+        loaded = SimpleNamespace(name="m", client=EngineClient(thread))
+        state = SimpleNamespace(residency=SimpleNamespace(last=None, names=["m"], resident=lambda: [loaded],
+                                                          most_recent=lambda: loaded), compat_listen=None)
+        assert bankml_info(state)["weights"] == report
+    finally:
+        thread.stop()
 
 
 def test_a_type_without_a_kernel_runs_its_twin_and_says_so(monkeypatch, caplog):

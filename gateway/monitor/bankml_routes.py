@@ -60,9 +60,7 @@ def _weights_report(state) -> dict[str, Any] | None:
     """The most recently used engine's weights/kernels report, or None (no engine,
     or an engine that does not report: the tests' fakes)."""
     recent = state.residency.most_recent()
-    engine = recent.client.thread.engine if recent is not None else None
-    report = getattr(engine, "weights_report", None)
-    return report() if callable(report) else None
+    return recent.client.weights_report() if recent is not None else None
 
 
 async def bankml(request, state):

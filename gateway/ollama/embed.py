@@ -10,9 +10,10 @@ EmbedHandler and EmbeddingsHandler), top to bottom.
 3. each input tokenized off the loop (special tokens parsed, BOS as the vocabulary says) and fitted
    to the context as Ollama fits it: the limit min(num_ctx, the model's context_length), less one for
    a missing BOS and one for a missing EOS; past it, cut (truncate true) or Ollama's 400;
-4. all inputs embedded together on the model's engine thread (model/embed.py), pooled as the GGUF
-   says; /api/embed L2-normalizes each (Ollama's `normalize`, in float32), cuts it to `dimensions`
-   and normalizes again; the legacy route returns the pooled vector as it is;
+4. all inputs embedded on the model's engine thread (gateway/serving/embeddings.py, shared with the
+   OpenAI routes; model/embed.py), pooled as the GGUF says; /api/embed L2-normalizes each (Ollama's
+   `normalize`, in float32), cuts it to `dimensions` and normalizes again; the legacy route returns
+   the pooled vector as it is;
 5. written as Go writes them (/api/embed's float32s in their shortest form, the legacy route's
    float64s), with a `bankml_receipt` whose response_sha256 is the sha256 of the `embeddings`
    (or `embedding`) value as written; then touch(keep_alive) once the lease is given back.
@@ -32,8 +33,8 @@ from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from gateway.http.errors import json_response
 from gateway.ollama.request import keep_alive, read_body, read_options
-from gateway.openai.embeddings import check_input_count, embed_all, engine_call, vector_json
 from gateway.serving.derived import layer_num_ctx
+from gateway.serving.embeddings import check_input_count, embed_all, embedding_shape, vector_json
 from gateway.serving.receipt import Tally
 from model.pooling import POOLING_NONE
 
@@ -159,8 +160,7 @@ async def _answer(request, state, legacy: bool):
                 return [fit(t, req.num_ctx, req.truncate is not False, bos, eos) for t in out]
 
             token_lists = await asyncio.to_thread(tokens_of)
-            pooling = await engine_call(loaded, lambda engine: engine.pooling)
-            if pooling == POOLING_NONE:
+            if (await embedding_shape(loaded)).pooling == POOLING_NONE:
                 raise InvalidRequest("this model does not pool its embeddings (pooling type none)")
             tally = Tally.start(body, state.receipt_key)
             vectors = await embed_all(loaded, token_lists)

@@ -11,8 +11,9 @@
    token list, a list of those, a string/token mix in one prompt), special tokens parsed, BOS as the
    vocabulary says; each input checked as llama-server checks a task (empty, too large for its
    physical batch, past the context);
-4. the inputs embedded on the model's engine thread (model/embed.py through `Engine.embed`), batched,
-   up to 16 of similar length per call so decode steps run between calls; pooled as the GGUF says
+4. the inputs embedded on the model's engine thread (gateway/serving/embeddings.py, shared with Ollama's
+   routes; model/embed.py through `Engine.embed`), batched, up to 16 of similar length per call so
+   decode steps run between calls; pooled as the GGUF says
    (a model without `<arch>.pooling_type`: mean, as `llama-server --pooling mean`; b11434 without
    `--pooling` pools such a model as none and refuses this OAI route, recorded);
 5. normalized as llama-server's `send_embedding` does (common_embd_normalize, only when pooled; the
@@ -27,29 +28,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from bankml import jstr
-from bankml.errors import EngineGone, InvalidRequest, NotSupported, RequestFailed
+from bankml.errors import InvalidRequest, NotSupported, RequestFailed
 from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.json_values import type_name
+from gateway.serving.embeddings import check_input_count, embed_all, embedding_shape, vector_json
 from gateway.serving.native_model import NativeModel
-from gateway.serving.prompt_input import prompt_count, tokenize_input_prompts
+from gateway.serving.prompt_input import tokenize_input_prompts
 from gateway.serving.receipt import Tally
 from gateway.serving.residency import FOREVER
-from model.engine_thread import EngineThreadFailed
-from model.pooling import POOLING_NONE, EmbedError
+from model.pooling import POOLING_NONE
 
-PER_CALL = 16  # inputs per engine call (model/embed.py's largest batch)
 N_UBATCH = 512  # llama-server's default physical batch (--ubatch-size): a pooled input must fit in one
-# ours (llama-server has no bound): the inputs of one request, as OpenAI's embeddings API caps them
-# ("any array must be 2048 dimensions or less"); counted on the JSON before the model is held or any
-# input tokenized, so a body of 100k one-word inputs is a 400 at once
-MAX_INPUTS = 2048
 
 
 # --- reading ---------------------------------------------------------------------------------------------
@@ -78,13 +73,6 @@ def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
     """llama-server's tokenize_input_prompts (gateway/serving/prompt_input.py, shared with /completion), its empty
     list's 400 naming "input"."""
     return tokenize_input_prompts(model, value, "input")
-
-
-def check_input_count(value: Any, field: str = "input") -> None:
-    """At most MAX_INPUTS prompts, counted as input_prompts splits them (nothing tokenized)."""
-    if prompt_count(value) > MAX_INPUTS:
-        raise InvalidRequest(f"'{field}': {prompt_count(value)} inputs, more than one request may hold "
-                             f"(at most {MAX_INPUTS}, as OpenAI's embeddings API)")
 
 
 def check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
@@ -119,11 +107,6 @@ def normalize(vec: np.ndarray, mode: int) -> np.ndarray:
         total = float(np.sum(np.power(np.abs(x).astype(np.float64), mode))) ** (1.0 / mode) if mode else 0.0
     norm = np.float32(1.0 / total) if total > 0.0 else np.float32(0.0)
     return x * norm
-
-
-def vector_json(vec: np.ndarray) -> str:
-    """One float32 vector as nlohmann writes a std::vector<float> (each as a double, shortest round trip)."""
-    return "[" + ",".join(map(repr, vec.astype(np.float64).tolist())) + "]"
 
 
 def base64_of(vec: np.ndarray) -> str:
@@ -183,45 +166,21 @@ async def embedding(request, state):
     return await _answer(request, state, doc, False, loaded.pin)
 
 
-async def engine_call(loaded, fn: Callable[[Any], Any]) -> Any:
-    """`fn(engine)` on the model's engine thread, between two decode iterations. An engine thread that is
-    gone is a 503; EmbedError a 400."""
-    try:
-        return await loaded.client.call(lambda: fn(loaded.client.thread.engine))
-    except EngineThreadFailed as e:
-        raise EngineGone(f"the engine thread stopped: {e}") from None
-    except EmbedError as e:
-        raise InvalidRequest(str(e)) from None
-
-
-async def embed_all(loaded, token_lists: list[list[int]]) -> list[np.ndarray]:
-    """Every input's vector, PER_CALL inputs of similar length per engine call: the decode loop's
-    iterations run between two calls, so a request of many inputs never stalls the streams beside it."""
-    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
-    out: list[np.ndarray | None] = [None] * len(token_lists)
-    for s in range(0, len(order), PER_CALL):
-        part = order[s:s + PER_CALL]
-        batch = [token_lists[i] for i in part]
-        for i, v in zip(part, await engine_call(loaded, lambda engine, batch=batch: engine.embed(batch)), strict=True):
-            out[i] = v
-    return out  # type: ignore[return-value]
-
-
 async def _answer(request, state, doc: Any, oai: bool, pin):
     req = EmbeddingRequest(doc, oai)
     async with state.residency.lease(pin) as held:
         loaded = held.loaded
         model = loaded.model
         token_lists = await asyncio.to_thread(input_prompts, model, req.prompt)
-        pooling, n_embd, n_vocab = await engine_call(
-            loaded, lambda engine: (engine.pooling, engine.n_embd, engine.n_vocab))
+        shape = await embedding_shape(loaded)
+        pooling = shape.pooling
         if req.oai and pooling == POOLING_NONE:
             raise InvalidRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
-        check_dimensions(req.dimensions, n_embd)
+        check_dimensions(req.dimensions, shape.n_embd)
         if not all(token_lists):  # the handler's check, before any task is made
             raise InvalidRequest("Input content cannot be empty")
         for tokens in token_lists:
-            check_task(tokens, model.n_ctx, n_vocab)
+            check_task(tokens, model.n_ctx, shape.n_vocab)
         tally = Tally.start(request.body, state.receipt_key)
         vectors = await embed_all(loaded, token_lists)
         text = await asyncio.to_thread(_write, req, loaded, token_lists, vectors, pooling, tally)

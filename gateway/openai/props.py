@@ -112,14 +112,6 @@ def default_params(d: SamplingParams) -> dict[str, Any]:
     }
 
 
-def _max_seqs(loaded: Any) -> int:
-    engine = loaded.client.thread.engine
-    if engine is not None:
-        return int(engine.max_seqs)
-    stats = loaded.client.stats()  # the engine has gone: its last snapshot still says
-    return stats.max_seqs if stats is not None else 1
-
-
 def props_json(loaded: Any) -> dict[str, Any]:
     """/props for the resident model `loaded` (gateway.serving.residency.Loaded). Reads the GGUF header once
     per file: call it off the event loop."""
@@ -129,7 +121,7 @@ def props_json(loaded: Any) -> dict[str, Any]:
     template = m.chat_template or CHATML_TEMPLATE
     out: dict[str, Any] = {
         "default_generation_settings": {"params": default_params(m.defaults), "n_ctx": m.n_ctx},
-        "total_slots": _max_seqs(loaded),
+        "total_slots": loaded.client.max_seqs,
         "model_alias": loaded.file_name,
         "model_ftype": ftype,
         "model_path": loaded.path,

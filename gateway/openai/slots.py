@@ -63,29 +63,22 @@ async def slot_action(request, state):
         if not isinstance(filename, str) or not filename_ok(filename):
             raise InvalidRequest("Invalid filename")
     loaded = await state.residency.current()
-    engine_thread = loaded.client.thread
-    slot = id_slot % max(1, engine_thread.engine.max_seqs)
+    client = loaded.client
+    slot = id_slot % max(1, client.max_seqs)
     sha256 = loaded.verified.model_sha256
-    path = os.path.join(state.slot_dir, filename) if filename is not None else None
-
-    def run():
-        engine = engine_thread.engine
+    try:  # each waits for the slot to be idle, on the engine thread
         if action == "erase":
-            return engine.erase_slot(slot)
-        return (engine.save_slot if action == "save" else engine.restore_slot)(slot, path, sha256)
-
-    def idle() -> bool:
-        return not engine_thread.engine.scheduler.slot_busy(slot)
-
-    try:
-        done = await loaded.client.call_when(run, idle)
+            n_erased = await client.erase_slot(slot)
+        else:
+            path = os.path.join(state.slot_dir, filename)
+            done = await (client.save_slot if action == "save" else client.restore_slot)(slot, path, sha256)
     except SlotSaveFailed as e:
         raise EngineFailed(f"Unable to save slot: {e}") from None
     except SlotFileError as e:
         raise InvalidRequest(f"Unable to restore slot: {e}") from None
     # the id as asked, before the wrap (llama-server answers the task's id_slot)
     if action == "erase":
-        return json_response(jstr.dumps({"id_slot": id_slot, "n_erased": done}))
+        return json_response(jstr.dumps({"id_slot": id_slot, "n_erased": n_erased}))
     if action == "save":
         return json_response(jstr.dumps({"id_slot": id_slot, "filename": filename, "n_saved": done.n_tokens,
                                          "n_written": done.n_bytes, "timings": {"save_ms": done.ms}}))

@@ -48,14 +48,14 @@ from bankml.serve_files import ChatTemplateFile
 from bankml.verify import FileIdentity, GatedModel, Verified, gate_model
 from gateway.serving.constraints import prebuild_tokenizer
 from gateway.serving.engine_client import EngineClient
+from gateway.serving.engine_handle import EngineHandle, EngineLoad, ServedEngine
 from gateway.serving.native_model import NativeModel
 from gateway.serving.registry import Pin, Registry, model_name
-from model.engine_thread import EngineThread
 
 log = logging.getLogger("bankml.gateway")
 
 # Loader: the verified canonical path -> (engine, a few words on the backend). Runs on the model's engine thread.
-Loader = Callable[[str], tuple[Any, str]]
+Loader = Callable[[str], tuple[ServedEngine, str]]
 # Estimate: a path -> the bytes its load will hold (weights and KV pool); runs off the loop.
 Estimate = Callable[[str], int]
 
@@ -81,7 +81,7 @@ class Loaded:
     backend: str  # the receipt's "engine": the inference backend, not the guard's rule set
     model: NativeModel
     compile_s: float
-    client: EngineClient  # this model's own engine thread
+    client: EngineHandle  # this model's own engine, on a thread of its own
     pin: Pin
     size_bytes: int  # memory it holds (weights + KV pool): /api/ps "size"
     vram_bytes: int  # of which on an accelerator (0 on a CPU): /api/ps "size_vram"
@@ -103,11 +103,11 @@ class PsRecord:
 
 
 @dataclass(eq=False)
-class _Slot:
-    """One model resident or loading: its engine thread, its leases, its expiry."""
+class _Resident:
+    """One model resident or loading: its engine handle, its leases, its expiry."""
 
     pin: Pin
-    client: EngineClient
+    client: EngineHandle
     estimate_bytes: int = 0
     loaded: Loaded | None = None
     loading: asyncio.Future | None = None  # set while it loads; what a second request for it awaits
@@ -150,7 +150,7 @@ class Residency:
         self.chat_template = chat_template
         self.last: Loaded | None = None  # the most recent verification, for GET /bankml
         self.unusable: dict[str, BankmlError] = {}  # per pin name: what every answer gets until it verifies
-        self._slots: dict[str, _Slot] = {}
+        self._residents: dict[str, _Resident] = {}
         self._change = asyncio.Event()  # set (and replaced) when a lease ends or a model goes
         self._lock: asyncio.Lock | None = None  # orders the loads' room-making
         self._tasks: set[asyncio.Task] = set()
@@ -178,8 +178,8 @@ class Residency:
     def meter(self, meter: Any) -> None:
         """The energy meter every engine thread reads (the monitor's); later threads get it too."""
         self._meter = meter
-        for slot in self._slots.values():
-            slot.client.thread.meter = meter
+        for resident in self._residents.values():
+            resident.client.set_meter(meter)
 
     def resident(self) -> list[Loaded]:
         """The loaded models, most recently used first (the monitor's threads read it too)."""
@@ -189,9 +189,10 @@ class Residency:
         r = self.resident()
         return r[0] if r else None
 
-    def threads(self) -> list[EngineThread]:
-        """Every engine thread, loading ones included (in-flight counts are summed over them)."""
-        return [s.client.thread for s in self._slots.values()]
+    def threads(self) -> list[EngineHandle]:
+        """Every model's engine handle, loading ones included: the monitor sums their `in_flight` counts
+        (gateway/monitor/monitoring.py's `Engines` names this method)."""
+        return [s.client for s in self._residents.values()]
 
     def ps(self) -> list[PsRecord]:
         out = []
@@ -202,29 +203,26 @@ class Residency:
             out.append(PsRecord(s.loaded, shown_as, num_ctx, s.expires_at))
         return out
 
-    def _by_recency(self) -> list[_Slot]:
-        return sorted(self._slots.values(), key=lambda s: s.used_s, reverse=True)
+    def _by_recency(self) -> list[_Resident]:
+        return sorted(self._residents.values(), key=lambda s: s.used_s, reverse=True)
 
     # --- loading (the model's own engine thread) --------------------------------------------------
 
-    def _new_slot(self, pin: Pin) -> _Slot:
-        thread = EngineThread(name=f"bankml-engine-{pin.name}"[:60], max_waiting=self.max_waiting)
-        thread.meter = self._meter
-        return _Slot(pin, EngineClient(thread))
+    def _new_resident(self, pin: Pin) -> _Resident:
+        client = EngineClient.start(f"bankml-engine-{pin.name}"[:60], max_waiting=self.max_waiting)
+        client.set_meter(self._meter)
+        return _Resident(pin, client)
 
-    def _load_on_thread(self, slot: _Slot, gated: GatedModel) -> Loaded:
-        thread = slot.client.thread
-        engine, backend = self.loader(gated.path)
-        thread.set_engine(engine)
-        compile_s = float(engine.warmup())
-        memory = getattr(engine, "memory_bytes", None)
-        size = int(memory()) if callable(memory) else slot.estimate_bytes
-        vram = size if _on_accelerator(engine) else 0
-        pin = slot.pin
+    def _loaded(self, resident: _Resident, gated: GatedModel, load: EngineLoad) -> Loaded:
+        """The model as requests hold it, once its engine is installed and warm (reads the GGUF's header:
+        off the loop)."""
+        vram = load.memory_bytes if load.on_accelerator else 0
+        pin = resident.pin
         template = self.chat_template if pin.name == self.registry.startup.name else None
         loaded = Loaded(pin.name, pin.file_name, gated.path, gated.verified, gated.identity, int(time.time()),
-                        f"bankML {__version__} native: its own forward pass ({backend})",
-                        NativeModel.of(engine, gated.path, template), compile_s, slot.client, pin, size, vram)
+                        f"bankML {__version__} native: its own forward pass ({load.backend})",
+                        NativeModel.of(load, gated.path, template), load.compile_s, resident.client, pin,
+                        load.memory_bytes, vram)
         prebuild_tokenizer(loaded)  # llguidance's vocabulary, in the background, for constrained requests
         return loaded
 
@@ -232,34 +230,33 @@ class Residency:
         """Load and warm the startup model, kept forever; blocks (before the event loop runs). Raises what
         the load raises (its engine thread stopped)."""
         pin = self.registry.startup
-        slot = self._new_slot(pin)
+        resident = self._new_resident(pin)
         try:
-            slot.estimate_bytes = self.estimate(self.startup_gated.path)
-            loaded = slot.client.thread.call(partial(self._load_on_thread, slot, self.startup_gated)).result()
+            resident.estimate_bytes = self.estimate(self.startup_gated.path)
+            load = resident.client.load_blocking(partial(self.loader, self.startup_gated.path))
+            loaded = self._loaded(resident, self.startup_gated, load)
         except BaseException:
-            slot.client.thread.stop()
+            resident.client.stop()
             raise
-        slot.loaded = self.last = loaded
-        slot.placed = True
-        self._slots[pin.name] = slot
+        resident.loaded = self.last = loaded
+        resident.placed = True
+        self._residents[pin.name] = resident
         return loaded
 
     def compile_rest(self, loaded: Loaded) -> None:
         """The rest of a model's programs, in the background (the load warmed what a first answer needs)."""
-        engine = loaded.client.thread.engine
-        if hasattr(engine, "compile_in_background"):
-            engine.compile_in_background()
+        loaded.client.compile_rest()
 
     # --- per request -----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def lease(self, pin: Pin) -> AsyncIterator[Held]:
         """The pin's model, resident and checked, held for one answer (see the module doc)."""
-        slot, load_ns, reloaded = await self._acquire(pin)
+        resident, load_ns, reloaded = await self._acquire(pin)
         try:
-            yield Held(slot.loaded, load_ns, reloaded)
+            yield Held(resident.loaded, load_ns, reloaded)
         finally:
-            self._release(slot)
+            self._release(resident)
 
     async def current(self) -> Loaded:
         """llama-server's routes: the most recently used resident model, or the startup model acquired
@@ -272,48 +269,48 @@ class Residency:
             self.touch(startup.name, FOREVER)
             return held.loaded
 
-    async def _acquire(self, pin: Pin) -> tuple[_Slot, int, bool]:
-        """The slot with one more lease on it, loaded; (slot, load_ns, reloaded)."""
+    async def _acquire(self, pin: Pin) -> tuple[_Resident, int, bool]:
+        """The resident with one more lease on it, loaded; (resident, load_ns, reloaded)."""
         while True:
-            slot = self._slots.get(pin.name)
-            if slot is not None and slot.loaded is not None:
-                self._check_identity(slot)
-                slot.leases += 1
-                slot.used_s = time.monotonic()
-                return slot, 0, False
-            if slot is None:
+            resident = self._residents.get(pin.name)
+            if resident is not None and resident.loaded is not None:
+                self._check_identity(resident)
+                resident.leases += 1
+                resident.used_s = time.monotonic()
+                return resident, 0, False
+            if resident is None:
                 if pin.path is None:
                     raise ModelNotFound(f"{pin.file_name} is pinned but not on this machine")
                 if not pin.native:
                     raise InvalidRequest(pin.reason or f"{pin.file_name} cannot be played by this engine")
-                slot = self._new_slot(pin)
-                self._slots[pin.name] = slot  # a second request for it shares this load
-                slot.loading = asyncio.get_running_loop().create_task(self._load(slot))
-                slot.loading.add_done_callback(_retrieved)
+                resident = self._new_resident(pin)
+                self._residents[pin.name] = resident  # a second request for it shares this load
+                resident.loading = asyncio.get_running_loop().create_task(self._load(resident))
+                resident.loading.add_done_callback(_retrieved)
             t0 = time.perf_counter_ns()
-            slot.leases += 1  # held from now: a load that ends before this request resumes is not idle
+            resident.leases += 1  # held from now: a load that ends before this request resumes is not idle
             try:
-                await asyncio.shield(slot.loading)
+                await asyncio.shield(resident.loading)
             except BankmlError as e:
-                slot.leases -= 1
+                resident.leases -= 1
                 raise _copy(e) from None
             except BaseException:
-                self._release(slot)
+                self._release(resident)
                 raise
-            if slot.loaded is not None and self._slots.get(pin.name) is slot:
-                slot.used_s = time.monotonic()
-                return slot, time.perf_counter_ns() - t0, True
-            slot.leases -= 1  # it went again before this request got it: look again
+            if resident.loaded is not None and self._residents.get(pin.name) is resident:
+                resident.used_s = time.monotonic()
+                return resident, time.perf_counter_ns() - t0, True
+            resident.leases -= 1  # it went again before this request got it: look again
 
-    def _release(self, slot: _Slot) -> None:
-        slot.leases -= 1
-        slot.used_s = time.monotonic()
-        if slot.leases == 0 and slot.drop_when_idle:
-            self._drop_soon(slot, "keep_alive 0")
+    def _release(self, resident: _Resident) -> None:
+        resident.leases -= 1
+        resident.used_s = time.monotonic()
+        if resident.leases == 0 and resident.drop_when_idle:
+            self._drop_soon(resident, "keep_alive 0")
         self._notify()
 
-    def _check_identity(self, slot: _Slot) -> None:
-        r = slot.loaded
+    def _check_identity(self, resident: _Resident) -> None:
+        r = resident.loaded
         try:
             now = FileIdentity.of(r.path)
         except OSError:
@@ -321,40 +318,41 @@ class Residency:
         if now == r.identity:
             return
         log.warning("%s changed since it was verified: unloaded", r.path)
-        self._forget(slot)
-        self._spawn(self._stop(slot))
+        self._forget(resident)
+        self._spawn(self._stop(resident))
         self.unusable[r.name] = ModelUnusable(f"{r.file_name} changed since bankml verified it: unloaded, and "
                                               "refused; the next request verifies it again")
         raise _copy(self.unusable[r.name])
 
-    async def _load(self, slot: _Slot) -> None:
-        """Make room, verify, load and warm `slot`'s pin (a task of its own: a requester that goes away
+    async def _load(self, resident: _Resident) -> None:
+        """Make room, verify, load and warm `resident`'s pin (a task of its own: a requester that goes away
         does not cancel a load others wait for)."""
-        pin = slot.pin
+        pin = resident.pin
         try:
             try:
-                slot.estimate_bytes = await asyncio.to_thread(self.estimate, pin.path)
+                resident.estimate_bytes = await asyncio.to_thread(self.estimate, pin.path)
             except Exception:  # the header says nothing usable (verifying will say why): the file's size
-                slot.estimate_bytes = pin.size
+                resident.estimate_bytes = pin.size
             async with self._room_lock():  # one load at a time decides what goes, in arrival order
-                await self._make_room(slot)
-                slot.placed = True
+                await self._make_room(resident)
+                resident.placed = True
             gated = await self._verify(pin)
             log.info("%s verified (sha256 %s); loading it", gated.path, gated.verified.model_sha256)
             try:
-                loaded = await slot.client.call(partial(self._load_on_thread, slot, gated))
+                load = await resident.client.load(partial(self.loader, gated.path))
+                loaded = await asyncio.to_thread(self._loaded, resident, gated, load)
             except Exception as e:
                 self.unusable[pin.name] = EngineFailed(f"cannot load {gated.path}: {e}")
                 raise _copy(self.unusable[pin.name]) from None
         except BaseException:
-            self._forget(slot)
-            await self._stop(slot)
+            self._forget(resident)
+            await self._stop(resident)
             raise
         finally:
-            slot.loading = None
-        slot.loaded = self.last = loaded
-        slot.used_s = time.monotonic()
-        slot.expires_at = self._expiry(self.default_keep_alive_s)
+            resident.loading = None
+        resident.loaded = self.last = loaded
+        resident.used_s = time.monotonic()
+        resident.expires_at = self._expiry(self.default_keep_alive_s)
         self.unusable.pop(pin.name, None)
         self._notify()  # idle now if its requesters went away meanwhile: a load waiting for room may drop it
         self.compile_rest(loaded)
@@ -375,19 +373,19 @@ class Residency:
                 raise
             raise InvalidRequest(f"refuse: {e}") from None
 
-    async def _make_room(self, slot: _Slot) -> None:
-        """Drop least recently used idle models until `slot` fits (count and bytes); wait while none can go."""
+    async def _make_room(self, resident: _Resident) -> None:
+        """Drop least recently used idle models until `resident` fits (count and bytes); wait while none can go."""
         while True:
-            others = [s for s in self._slots.values() if s is not slot and s.placed]
+            others = [s for s in self._residents.values() if s is not resident and s.placed]
             used = sum(s.bytes for s in others)
             over_count = len(others) >= self.max_loaded
-            over_bytes = self.budget_bytes > 0 and used + slot.estimate_bytes > self.budget_bytes
+            over_bytes = self.budget_bytes > 0 and used + resident.estimate_bytes > self.budget_bytes
             if not others or not (over_count or over_bytes):
                 return
             idle = [s for s in others if s.loaded is not None and s.leases == 0]
             if idle:
                 victim = min(idle, key=lambda s: s.used_s)
-                await self._drop(victim, "to make room for " + slot.pin.file_name)
+                await self._drop(victim, "to make room for " + resident.pin.file_name)
                 continue
             await self._wait_for_change()
 
@@ -396,19 +394,19 @@ class Residency:
     def touch(self, name: str, keep_alive_s: float) -> None:
         """Only if `name` is resident: 0 drops it (now, or once no answer holds it), inf keeps it
         forever, anything else expires it keep_alive_s from now."""
-        slot = self._slots.get(name)
-        if slot is None or slot.loaded is None:
+        resident = self._residents.get(name)
+        if resident is None or resident.loaded is None:
             return
         if keep_alive_s <= 0:
-            if slot.leases == 0:
-                self._drop_soon(slot, "keep_alive 0")
+            if resident.leases == 0:
+                self._drop_soon(resident, "keep_alive 0")
             else:
-                slot.drop_when_idle = True
+                resident.drop_when_idle = True
             return
-        if slot.drop_when_idle:
-            slot.drop_when_idle = False
+        if resident.drop_when_idle:
+            resident.drop_when_idle = False
             self._notify()  # an unload waiting for it to go: it stays
-        slot.expires_at = self._expiry(keep_alive_s)
+        resident.expires_at = self._expiry(keep_alive_s)
 
     @staticmethod
     def _expiry(keep_alive_s: float) -> float | None:
@@ -417,33 +415,33 @@ class Residency:
     def record_shown(self, name: str, shown_as: str, num_ctx: int, reloaded: bool) -> None:
         """What /api/ps shows for a resident model: changed only when its weights were (re)loaded for the
         request, nothing is recorded yet, or num_ctx differs (spec §1.5)."""
-        slot = self._slots.get(name)
-        if slot is None or slot.loaded is None:
+        resident = self._residents.get(name)
+        if resident is None or resident.loaded is None:
             return
-        if reloaded or slot.shown is None or slot.shown[1] != num_ctx:
-            slot.shown = (shown_as, num_ctx)
+        if reloaded or resident.shown is None or resident.shown[1] != num_ctx:
+            resident.shown = (shown_as, num_ctx)
 
     async def unload(self, name: str) -> bool:
         """Drop a resident pin now, after the answers that hold it; False: it is not resident."""
-        slot = self._slots.get(name)
-        if slot is None or slot.loaded is None:
+        resident = self._residents.get(name)
+        if resident is None or resident.loaded is None:
             return False
-        if slot.leases == 0:
-            await self._drop(slot, "unloaded")
+        if resident.leases == 0:
+            await self._drop(resident, "unloaded")
         else:
-            slot.drop_when_idle = True
+            resident.drop_when_idle = True
             # until it goes, or a later request's keep_alive keeps it (touch clears the flag): not forever
-            while slot.drop_when_idle and not slot.dropped.is_set():
+            while resident.drop_when_idle and not resident.dropped.is_set():
                 await self._wait_for_change()
         return True
 
     async def reap(self) -> None:
         """Drop every expired model that no answer holds (the reaper's one round)."""
         now = time.time()
-        for slot in list(self._slots.values()):
-            expired = slot.expires_at is not None and slot.expires_at <= now
-            if slot.loaded is not None and slot.leases == 0 and (expired or slot.drop_when_idle):
-                await self._drop(slot, "its keep_alive expired")
+        for resident in list(self._residents.values()):
+            expired = resident.expires_at is not None and resident.expires_at <= now
+            if resident.loaded is not None and resident.leases == 0 and (expired or resident.drop_when_idle):
+                await self._drop(resident, "its keep_alive expired")
 
     async def _reap_forever(self) -> None:
         while True:
@@ -466,44 +464,42 @@ class Residency:
     async def close(self) -> None:
         """Stop the reaper and every engine thread."""
         self.stop_reaper()
-        for slot in list(self._slots.values()):
-            self._forget(slot)
-            await self._stop(slot)
+        for resident in list(self._residents.values()):
+            self._forget(resident)
+            await self._stop(resident)
 
     def stop_all(self) -> None:
         """Stop every engine thread, blocking (after the loop has ended)."""
-        for slot in list(self._slots.values()):
-            self._forget(slot)
-            slot.client.thread.stop()
+        for resident in list(self._residents.values()):
+            self._forget(resident)
+            resident.client.stop()
 
-    async def _drop(self, slot: _Slot, why: str) -> None:
-        if self._slots.get(slot.pin.name) is not slot:
+    async def _drop(self, resident: _Resident, why: str) -> None:
+        if self._residents.get(resident.pin.name) is not resident:
             return
-        log.info("%s unloaded: %s", slot.pin.file_name, why)
-        self._forget(slot)
-        await self._stop(slot)
+        log.info("%s unloaded: %s", resident.pin.file_name, why)
+        self._forget(resident)
+        await self._stop(resident)
 
-    def _drop_soon(self, slot: _Slot, why: str) -> None:
+    def _drop_soon(self, resident: _Resident, why: str) -> None:
         """Gone from the resident models now (/api/ps says so at once); its thread stops in the background."""
-        if self._slots.get(slot.pin.name) is slot:
-            log.info("%s unloaded: %s", slot.pin.file_name, why)
-            self._forget(slot)
-            self._spawn(self._stop(slot))
+        if self._residents.get(resident.pin.name) is resident:
+            log.info("%s unloaded: %s", resident.pin.file_name, why)
+            self._forget(resident)
+            self._spawn(self._stop(resident))
 
-    def _forget(self, slot: _Slot) -> None:
-        if self._slots.get(slot.pin.name) is slot:
-            del self._slots[slot.pin.name]
-        slot.loaded = None
-        slot.dropped.set()
+    def _forget(self, resident: _Resident) -> None:
+        if self._residents.get(resident.pin.name) is resident:
+            del self._residents[resident.pin.name]
+        resident.loaded = None
+        resident.dropped.set()
         self._notify()
 
-    async def _stop(self, slot: _Slot) -> None:
-        """End the slot's engine thread (after its running iteration), which drops its engine. Answers it
+    async def _stop(self, resident: _Resident) -> None:
+        """End the resident's engine thread (after its running iteration), which drops its engine. Answers it
         still runs (only a changed file drops a held model) end with "the model was unloaded while it
         answered"."""
-        thread = slot.client.thread
-        thread.call(partial(thread.set_engine, None))
-        await asyncio.to_thread(thread.stop)
+        await resident.client.unload()
         self._notify()
 
     def _spawn(self, coro) -> None:
@@ -532,12 +528,3 @@ def _retrieved(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
 
-
-def _on_accelerator(engine: Any) -> bool:
-    """Whether the engine's arrays live on a GPU (the fake engines say so with `on_accelerator`)."""
-    flag = getattr(engine, "on_accelerator", None)
-    if flag is not None:
-        return bool(flag)
-    from model import device_budget
-
-    return device_budget.engine_platform() == "gpu"
