@@ -35,6 +35,7 @@ from bankml.errors import (
     Unreadable,
     UsageError,
     exit_code,
+    refuse_start,
 )
 
 DESCRIPTION = f"""bankml {__version__}: a verifying inference server for GGUF models
@@ -346,12 +347,12 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from bankml.serve import refuse, serve
+    from bankml.serve import serve
 
     try:
         options = serve_options_of(args)  # bad options are refused before any model is fetched
     except BankmlError as e:
-        return refuse(e)
+        return refuse_start(e)
     path, fork_text = model_and_fork(args, "serve")
     return serve(path, fork_text, options, fork_path=_fork_path(args))
 

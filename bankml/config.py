@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 RULE_SETS = ("mainline",)  # the guard's only rule set: the Bonsai/prism rules are out of scope
 CACHE_TYPES = ("f16", "q8_0")  # the KV cache's types (model/kvcache.py; this module never imports jax)
+PAGE_SIZE = 16  # tokens per KV page: `[engine] page_size`'s default, and the engine's (model/engine.py)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class EngineConfig:
     # the paged KV cache's pool: 0 sizes it for max_seqs whole contexts on a CPU, or from memory_fraction
     # of the device's memory after the weights on a GPU; it never grows
     kv_cache_bytes: int = 0
-    page_size: int = 16  # tokens per KV page (a power of two)
+    page_size: int = PAGE_SIZE  # tokens per KV page (a power of two)
     # the KV cache's type: f16 (llama.cpp's default) or q8_0 (about half the bytes: twice the tokens in the
     # same pool; needs head_dim % 32 == 0); $BANKML_CACHE_TYPE overrides it
     cache_type: str = "f16"
@@ -112,11 +113,12 @@ class Config:
 # --- values ------------------------------------------------------------------------------------------
 
 
-def parse_host_port(text: str, what: str) -> tuple[str, int]:
-    """'127.0.0.1:18093' or '[::1]:18093' -> (host, port); an http:// prefix and a trailing / are dropped."""
+def parse_host_port(text: str, what: str, any_port: bool = False) -> tuple[str, int]:
+    """'127.0.0.1:18093' or '[::1]:18093' -> (host, port); an http:// prefix and a trailing / are dropped.
+    `any_port`: port 0 too (the system picks one: the tests' servers; the CLI and the config refuse it)."""
     t = text.removeprefix("http://").rstrip("/")
     host, sep, port = t.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not int(not any_port) <= int(port) < 65536:
         raise ConfigInvalid(f"{what} {text!r} is not HOST:PORT")
     return host.strip("[]"), int(port)
 
@@ -275,30 +277,66 @@ def load_config(preset: str | None = None) -> Config:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """`bankml serve`'s options: the config's [serve] values, each flag given over its key."""
+    """`bankml serve`'s options: `config` with every flag given written over its key, and what only the
+    command line and the files it names add (the mode, the keys read, the template read). Nothing is
+    copied: each setting is read from `config` (the properties)."""
 
-    listen: tuple[str, int]
-    upstream: tuple[str, int]  # the --upstream address: P0's llama-server; see compat_listen
-    threads: int
-    ctx: int
-    keep_alive_s: float  # math.inf: forever: the default keep_alive of Ollama's API
+    config: Config
     native: bool
     spawn: str | None
-    spec_ngram: bool
-    slot_dir: str | None
-    rule_set: str
-    config: Config
     receipt_key: ReceiptKey  # signs every receipt (bankml/signing.py)
-    registry_dir: str | None = None  # --native: the directory of *.FORK.json pins (None: the startup model only)
-    max_loaded: int = 3  # models resident at once
     api_keys: tuple[str, ...] = ()  # none: no key is asked for
     allowed_origins: tuple[str, ...] = ()  # serialized origins, as browsers send them
     chat_template: ChatTemplateFile | None = None  # --native: the startup model's template, replaced
 
     @property
+    def listen(self) -> tuple[str, int]:
+        return parse_host_port(self.config.serve.listen, "--listen", any_port=True)
+
+    @property
+    def upstream(self) -> tuple[str, int]:
+        """The --upstream address: P0's llama-server; see compat_listen."""
+        return parse_host_port(self.config.serve.upstream, "--upstream", any_port=True)
+
+    @property
     def compat_listen(self) -> tuple[str, int]:
         """--native: the second listener, for llama-server's clients (the --upstream flag names it)."""
         return self.upstream
+
+    @property
+    def threads(self) -> int:
+        return self.config.serve.threads
+
+    @property
+    def ctx(self) -> int:
+        return self.config.serve.ctx
+
+    @property
+    def keep_alive_s(self) -> float:
+        """math.inf: forever: the default keep_alive of Ollama's API."""
+        return parse_keep_alive(self.config.serve.keep_alive, "--keep-alive")
+
+    @property
+    def spec_ngram(self) -> bool:
+        return self.config.serve.spec_ngram
+
+    @property
+    def slot_dir(self) -> str | None:
+        return self.config.serve.slot_dir or None
+
+    @property
+    def rule_set(self) -> str:
+        return self.config.serve.rule_set
+
+    @property
+    def registry_dir(self) -> str | None:
+        """--native: the directory of *.FORK.json pins (None: the startup model only)."""
+        return self.config.registry.dir or None
+
+    @property
+    def max_loaded(self) -> int:
+        """Models resident at once."""
+        return self.config.registry.max_loaded
 
 
 def serve_options(config: Config, *, listen: str | None = None, upstream: str | None = None,
@@ -351,22 +389,20 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
     keep_alive_text = s.keep_alive if keep_alive is None else keep_alive
     chosen_rule_set = s.rule_set if rule_set is None else rule_set
     _rule_set(chosen_rule_set, "--rule-set")
+    parse_keep_alive(keep_alive_text, "--keep-alive")
+    given = {"listen": listen or None, "upstream": upstream or None, "threads": threads, "ctx": ctx,
+             "keep_alive": keep_alive, "rule_set": rule_set}
+    serve = replace(s, **{k: v for k, v in given.items() if v is not None}, spec_ngram=spec_ngram or s.spec_ngram,
+                    slot_dir=chosen_slot_dir or "")
+    parse_host_port(serve.listen, "--listen")  # a bad address is refused now, by its flag's name
+    parse_host_port(serve.upstream, "--upstream")
+    config = replace(config, serve=serve, registry=replace(config.registry, dir=registry_dir or ""))
     return ServeOptions(
-        listen=parse_host_port(listen or s.listen, "--listen"),
-        upstream=parse_host_port(upstream or s.upstream, "--upstream"),
-        threads=s.threads if threads is None else threads,
-        ctx=s.ctx if ctx is None else ctx,
-        keep_alive_s=parse_keep_alive(keep_alive_text, "--keep-alive"),
+        config=config,
         native=native,
         spawn=spawn,
-        spec_ngram=spec_ngram or s.spec_ngram,
-        slot_dir=chosen_slot_dir,
-        rule_set=chosen_rule_set,
-        config=config,
         receipt_key=signing.server_key(s.receipt_key if receipt_key is None else receipt_key,
                                        "--receipt-key" if receipt_key else "[serve] receipt_key"),
-        registry_dir=registry_dir or None,
-        max_loaded=config.registry.max_loaded,
         api_keys=tuple(dict.fromkeys(keys)),
         allowed_origins=origins,
         chat_template=serve_files.read_chat_template(template_path, "--chat-template-file") if template_path else None,

@@ -10,6 +10,7 @@ Imports neither sanic nor jax: the gate, the CLI and the engine all raise these.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 # `bankml` exit codes (the CLI's usage text lists them)
@@ -17,6 +18,12 @@ EXIT_OK = 0
 EXIT_UNREADABLE = 1  # a file cannot be read, or bad usage
 EXIT_REFUSED = 2
 EXIT_TRUNCATED = 3  # the guard needs more header bytes than the file has
+
+
+def refuse_start(why: object) -> int:
+    """`bankml serve` will not start: say why on stderr; its exit code (EXIT_REFUSED, every refusal at start)."""
+    print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
+    return EXIT_REFUSED
 
 
 class BankmlError(Exception):

@@ -12,14 +12,8 @@ import sys
 from dataclasses import replace
 
 from bankml.config import ServeOptions
-from bankml.errors import EXIT_REFUSED, BankmlError
+from bankml.errors import BankmlError, refuse_start
 from bankml.verify import gate_model
-
-
-def refuse(error: BankmlError | str) -> int:
-    """Say why serve will not start; its exit code (2 for every refusal at start)."""
-    print(f"bankml serve: refuse: {error}", file=sys.stderr, flush=True)
-    return EXIT_REFUSED
 
 
 def serve(path: str, fork_text: str, options: ServeOptions, fork_path: str | None = None) -> int:
@@ -27,7 +21,7 @@ def serve(path: str, fork_text: str, options: ServeOptions, fork_path: str | Non
     try:
         gated = replace(gate_model(path, fork_text, rule_set=options.rule_set), fork_path=fork_path)
     except BankmlError as e:
-        return refuse(e)
+        return refuse_start(e)
     v = gated.verified
     print(f"bankml serve: verified {gated.path}: sha256 {v.model_sha256}, arch {v.arch}, name {v.name}",
           file=sys.stderr, flush=True)

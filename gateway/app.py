@@ -28,7 +28,7 @@ from sanic import Sanic
 
 from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
-from bankml.errors import ConfigInvalid
+from bankml.errors import ConfigInvalid, refuse_start
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
 from gateway.http.access import Access
@@ -96,7 +96,7 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/chat/completions"): chat_completions,
     ("GET", "/models"): llama_routes.models,
     # issue 15 C: llama-server's small endpoints, and a refusal by name for each route of its b11434 we
-    # do not serve (llama_refusals.py); /completion(s), /infill, /chat/completions, /models and the
+    # do not serve (gateway/openai/refusals.py); /completion(s), /infill, /chat/completions, /models and the
     # embeddings are A's and B's
     ("GET", "/v1/health"): llama_routes.health,
     ("POST", "/detokenize"): llama_routes.detokenize,
@@ -240,11 +240,6 @@ def _log_edge(options: ServeOptions) -> None:
                  options.chat_template.path, options.chat_template.sha256)
 
 
-def _refuse(why: str) -> int:
-    print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
-    return 2
-
-
 def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None = None,
                 estimate: Estimate | None = None, budget_bytes: int | None = None) -> int:
     """Load, warm, bind, serve until stopped. Returns the process exit code. The tests give their own
@@ -257,13 +252,13 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     try:  # before the engine first touches jax: JAX's allocator reads it once
         memory_fraction, fraction_note = device_budget.apply_memory_fraction(engine_cfg.memory_fraction)
     except ConfigInvalid as e:
-        return _refuse(str(e))
+        return refuse_start(str(e))
     if fraction_note:
         log.warning("%s", fraction_note)
     template = options.chat_template
     registry = Registry(gated, options.registry_dir, options.rule_set, template.text if template else None)
     if not registry.startup.native:
-        return _refuse(registry.startup.reason or f"{gated.path} cannot be played by this engine")
+        return refuse_start(registry.startup.reason or f"{gated.path} cannot be played by this engine")
     several = len(registry.pins) > 1
     loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several)
     residency = Residency(registry, gated, loader, max_loaded=options.max_loaded, budget_bytes=0,
@@ -274,7 +269,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     try:
         loaded = residency.load_startup()
     except Exception as e:
-        return _refuse(f"cannot load {gated.path}: {e}")
+        return refuse_start(f"cannot load {gated.path}: {e}")
     # after the first load: jax has started, the device is known
     residency.budget_bytes = device_budget.memory_budget_bytes() if budget_bytes is None else budget_bytes
 
@@ -294,13 +289,13 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         sockets.append(bind(*options.listen))
     except OSError as e:
         residency.stop_all()
-        return _refuse(f"cannot listen on {listen}: {e.strerror or e}")
+        return refuse_start(f"cannot listen on {listen}: {e.strerror or e}")
     try:
         sockets.append(bind(*options.compat_listen))
     except OSError as e:
         sockets[0].close()
         residency.stop_all()
-        return _refuse(f"cannot listen on the engine address {compat_listen}: {e.strerror or e} "
+        return refuse_start(f"cannot listen on the engine address {compat_listen}: {e.strerror or e} "
                        "(is llama-server running there?)")
     listen = _address(*sockets[0].getsockname()[:2])  # a port 0 becomes the one the system chose
     compat_listen = _address(*sockets[1].getsockname()[:2])

@@ -28,14 +28,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from fake_engine import fake_estimate, fake_loader  # noqa: E402
 
 from bankml.cli import add_serve_arguments, read_fork, serve_options_of  # noqa: E402
-from bankml.errors import BankmlError  # noqa: E402
+from bankml.errors import BankmlError, refuse_start  # noqa: E402
 from bankml.verify import gate_model  # noqa: E402
 from gateway.app import run_gateway  # noqa: E402
 
 
-def _port_zero(text: str | None) -> tuple[str, int] | None:
+def _port_zero(text: str | None) -> str | None:
     """H:0 (the system picks; the log line names it) is for tests only, so the CLI refuses it."""
-    return (text[:-2].strip("[]"), 0) if text and text.endswith(":0") else None
+    return text if text and text.endswith(":0") else None
 
 
 def main(argv: list[str]) -> int:
@@ -59,17 +59,17 @@ def main(argv: list[str]) -> int:
     listen, upstream = zero.get("--listen"), zero.get("--upstream")
     try:
         options = serve_options_of(args)
-        config = dataclasses.replace(options.config,
-                                     limits=dataclasses.replace(options.config.limits, **json.loads(extra.limits)),
-                                     engine=dataclasses.replace(options.config.engine, **json.loads(extra.engine)))
-        options = dataclasses.replace(options, listen=listen or options.listen,
-                                      upstream=upstream or options.upstream, config=config,
-                                      max_loaded=extra.max_loaded or options.max_loaded)
+        c = options.config
+        config = dataclasses.replace(
+            c, limits=dataclasses.replace(c.limits, **json.loads(extra.limits)),
+            engine=dataclasses.replace(c.engine, **json.loads(extra.engine)),
+            serve=dataclasses.replace(c.serve, listen=listen or c.serve.listen, upstream=upstream or c.serve.upstream),
+            registry=dataclasses.replace(c.registry, max_loaded=extra.max_loaded or c.registry.max_loaded))
+        options = dataclasses.replace(options, config=config)
         gated = dataclasses.replace(gate_model(args.file, read_fork(args.fork, "serve")),
                                     fork_path=str(Path(args.fork).resolve()))
     except BankmlError as e:
-        print(f"bankml serve: refuse: {e}", file=sys.stderr)
-        return 2
+        return refuse_start(e)
     sizes = json.loads(extra.model_bytes)
     loader = fake_loader(options.ctx, extra.step_ms / 1e3, max_seqs=options.config.engine.max_seqs,
                          load_s=json.loads(extra.load_s), size_bytes=sizes)

@@ -88,7 +88,7 @@ def test_props_has_llama_servers_fields_filled_from_this_server(server, smollm2_
         r = send(server, "GET", "/props", upstream=upstream)
         assert r.status_code == 200
         ours = r.json()
-        # every field llama-server sends, but the one we cannot fill truthfully (llama_props.py says why)
+        # every field llama-server sends, but the one we cannot fill truthfully (props.py says why)
         assert set(theirs) - set(ours) == {"media_marker"}
         assert set(ours) - set(theirs) == {"n_ctx"}
         assert ours["default_generation_settings"] == theirs["default_generation_settings"]  # same defaults, n_ctx

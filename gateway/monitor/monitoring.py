@@ -25,7 +25,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from bankml import __version__
 from bankml.errors import Overloaded
@@ -35,18 +35,24 @@ from gpu_monitor.readings import rounded
 from gpu_monitor.sample import Monitor
 from model.messages import EngineStats, StepOutput
 
-if TYPE_CHECKING:  # a type only: P0 runs this monitor with no engine (and so without jax)
-    from model.engine_thread import EngineThread
-
 STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
 
 
+class Counted(Protocol):
+    """What the monitor reads of an engine: its requests in flight and its scheduler's last snapshot (the
+    engine handle, gateway/serving/engine_handle.py, or the tests' engine thread)."""
+
+    def in_flight(self) -> tuple[int, int]: ...
+
+    def stats(self) -> EngineStats | None: ...
+
+
 class Engines(Protocol):
-    """The engine threads of the resident models (gateway.serving.residency.Residency has them)."""
+    """The resident models' engines (gateway.serving.residency.Residency has them)."""
 
-    def threads(self) -> list[EngineThread]: ...
+    def threads(self) -> list[Counted]: ...
 
-    def most_recent(self) -> Any: ...  # a Loaded (its client.thread), or None
+    def most_recent(self) -> Any: ...  # a Loaded (its `client`, a Counted), or None
 
 
 class Answer:
@@ -86,7 +92,7 @@ class Monitoring:
     """The monitor's state for one app. `whoami()` gives the /bankml body (what was verified)."""
 
     def __init__(self, monitor: Monitor, *, whoami: Callable[[], Mapping[str, Any]], mode: str,
-                 root_text: str, energy_device: str = "cpu", engine_thread: EngineThread | None = None,
+                 root_text: str, energy_device: str = "cpu", engine_thread: Counted | None = None,
                  engines: Engines | None = None):
         """engine_thread: one engine (the tests'); engines: the resident models' (native); neither: P0."""
         self.monitor = monitor
@@ -119,10 +125,10 @@ class Monitoring:
         gone, or P0)."""
         if self.engines is not None:
             recent = self.engines.most_recent()
-            return recent.client.thread.stats() if recent is not None else None
+            return recent.client.stats() if recent is not None else None
         return self.engine_thread.stats() if self.engine_thread is not None else None
 
-    def _threads(self) -> list[EngineThread] | None:
+    def _threads(self) -> list[Counted] | None:
         if self.engines is not None:
             return self.engines.threads()
         return [self.engine_thread] if self.engine_thread is not None else None

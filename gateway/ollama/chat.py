@@ -5,22 +5,18 @@ refuses with a reason (/api/embed and /api/embeddings are served: gateway/ollama
    model's layer applied, keep_alive and stream read; every refusal and option check comes before any load;
 2. an empty prompt only loads (lease, record what /api/ps shows, touch) or, with keep_alive 0, unloads:
    one final object with done_reason "load"/"unload", no counts, no receipt;
-3. otherwise the model is leased for the answer (residency.py: verified and loaded if it was not
-   resident; `load_ns` is what this request waited for), /api/ps's record is updated, and the prompt is
-   built off the loop (prompt_fit.py: the template fitted to num_ctx, or a raw prompt);
-4. the request goes to this model's own engine thread (held.loaded.client); its outputs are written as
-   NDJSON lines (one per non-empty piece; the first token's line even without text when logprobs are on,
-   as its entry rides there) and the final object, or as one JSON body (ollama_shapes.py). An engine
-   failure after the head went out is an `{"error"}` line; before it, its status (500, or 503 when the
-   engine thread is gone);
-5. a completed answer's /bankml/metrics record goes to the monitor, the receipt covers the text as
-   sent; then touch(keep_alive) once the lease is given back (0 unloads the model once it is idle).
+3. otherwise the answer pipeline (gateway/serving/answer.py) leases the model (`load_ns` is what this
+   request waited for); on it, /api/ps's record is updated and the prompt built off the loop
+   (prompt_fit.py: the template fitted to num_ctx, or a raw prompt);
+4. written (shapes.py) as NDJSON lines (one per non-empty piece; the first token's line even without
+   text when logprobs are on, as its entry rides there) and the final object, or as one JSON body; an
+   engine failure after the head went out is an `{"error"}` line; then touch(keep_alive) (0 unloads
+   the model once no answer holds it).
 A client that goes away cancels the handler; leaving the `async with` aborts the generation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -28,17 +24,14 @@ from sanic import HTTPResponse
 
 from bankml.errors import InvalidRequest
 from gateway.http.errors import Api, error_body, json_response
-from gateway.monitor.monitoring import Answer
 from gateway.ollama.request import OllamaRequest, parse_ollama
 from gateway.ollama.shapes import NDJSON, final_line, final_object, logprob_entry, piece_line
-from gateway.serving.constraints import attach_constraints
-from gateway.serving.engine_client import engine_error
+from gateway.serving.answer import Run, Work, answer, off_loop
 from gateway.serving.prompt_fit import chat_prompt, raw_prompt
-from gateway.serving.receipt import Tally
 from gateway.serving.tool_calls import ToolPlan, ToolStream, ollama_calls
 from gateway.serving.tool_calls import parse as parse_calls
 from gateway.serving.tool_calls import plan as tool_plan
-from model.messages import FinishReason, GenerateRequest, StepOutput
+from model.messages import StepOutput
 
 REFUSED = {
     "/api/pull": "models are imported sha256-pinned: put the GGUF and its FORK.json in the registry directory "
@@ -67,28 +60,21 @@ def server_ctx(state) -> int:
 
 async def _answer(request, state, kind: str):
     t0_ns = time.perf_counter_ns()
-    body = request.body
     n_ctx = server_ctx(state)
     residency = state.residency
     # off the loop: a 16 MiB body takes a while to parse, and other clients must not wait for it
-    req = await asyncio.to_thread(parse_ollama, body, kind, state.registry, n_ctx, residency.default_keep_alive_s)
+    req = await off_loop(parse_ollama, request.body, kind, state.registry, n_ctx, residency.default_keep_alive_s)
     if req.empty:
         return await _load_or_unload(state, req, t0_ns, n_ctx)
-    name = req.pin.name
-    try:
-        async with residency.lease(req.pin) as held:
-            residency.record_shown(name, req.tag, req.num_ctx or n_ctx, held.reloaded)
-            plan, prompt = await asyncio.to_thread(_prompt, held.loaded.model, req)
-            engine_request = GenerateRequest(prompt, req.params, request_id=f"ollama-{uuid.uuid4().hex}")
-            grammar = req.grammar if plan is None else plan.grammar
-            await attach_constraints(held.loaded, [engine_request], grammar)  # a 400 before any model work
-            with state.monitoring.answer() as answer:
-                run = _Run(req, held, Tally.start(body, state.receipt_key), answer, t0_ns, plan)
-                if req.stream:
-                    return await run.streamed(request, engine_request)
-                return await run.whole(engine_request)
-    finally:
-        residency.touch(name, req.keep_alive_s)  # after the answer, as Ollama's scheduler does
+
+    async def work(held) -> Work:
+        residency.record_shown(req.pin.name, req.tag, req.num_ctx or n_ctx, held.reloaded)
+        plan, prompt = await off_loop(_prompt, held.loaded.model, req)
+        return Work([prompt], req.params, [f"ollama-{uuid.uuid4().hex}"], OllamaWriter(req, held, t0_ns, plan),
+                    req.stream, grammar=req.grammar if plan is None else plan.grammar)
+
+    # keep_alive after the answer, as Ollama's scheduler does (0: unloaded once no answer holds it)
+    return await answer(request, state, req.pin, req.keep_alive_s, work)
 
 
 def _prompt(model, req: OllamaRequest) -> tuple[ToolPlan | None, list[int]]:
@@ -123,100 +109,70 @@ async def _load_or_unload(state, req: OllamaRequest, t0_ns: int, n_ctx: int) -> 
     return json_response(text)
 
 
-class _Run:
-    """One answer being written: the request, the leased model, the receipt's tally, the monitor's record."""
+class OllamaWriter:
+    """One /api/chat or /api/generate answer (serving/answer.py `Writer`): NDJSON lines or one JSON body."""
 
-    def __init__(self, req: OllamaRequest, held, tally: Tally, answer: Answer, t0_ns: int, plan: ToolPlan | None):
-        self.req, self.held, self.tally, self.answer, self.t0_ns = req, held, tally, answer, t0_ns
-        self.loaded = held.loaded
-        self.plan = plan
+    def __init__(self, req: OllamaRequest, held, t0_ns: int, plan: ToolPlan | None):
+        self.req, self.held, self.t0_ns, self.plan = req, held, t0_ns, plan
+        self.calls = None if plan is None else ToolStream(plan)
+        self.pending: list[dict] = []  # streamed with tools: entries not yet on a line
+        self.first = True
 
     def _entry(self, out: StepOutput) -> dict | None:
         return logprob_entry(out.logprobs, self.req.top_logprobs) if out.logprobs is not None else None
 
-    def _finish(self, last: StepOutput, text: str, entries: list[dict], streamed: bool,
-                calls: list[dict] | None = None) -> str:
-        """The final object: the monitor's record, the receipt over the text as generated (with tools, the
-        content and calls are parsed from it)."""
-        self.answer.record(self.loaded.file_name.removesuffix(".gguf"), last)  # the metrics keep the file's case
-        self.tally.answered(last)
-        if entries:
-            self.tally.logprobs(entries)
-        receipt = self.tally.receipt_for(self.loaded)
-        return final_object(self.req.tag, self.req.kind, "" if streamed else text, last.finish_reason.value,
-                            time.perf_counter_ns() - self.t0_ns, self.held.load_ns, last,
-                            None if streamed else entries, receipt, calls)
+    def _final(self, last: StepOutput, text: str, receipt: dict, entries: list[dict] | None = None,
+               calls: list[dict] | None = None) -> str:
+        return final_object(self.req.tag, self.req.kind, text, last.finish_reason.value,
+                            time.perf_counter_ns() - self.t0_ns, self.held.load_ns, last, entries, receipt, calls)
 
-    async def whole(self, engine_request: GenerateRequest) -> HTTPResponse:
-        pieces: list[str] = []
-        entries: list[dict] = []
-        last: StepOutput | None = None
-        async with self.loaded.client.generate(engine_request) as generation:
-            async for out in generation:
-                pieces.append(out.text)
-                entry = self._entry(out)
-                if entry is not None:
-                    entries.append(entry)
-                last = out
-        if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-            raise engine_error(self.loaded.client, last or StepOutput(token=None))
+    async def whole(self, run: Run) -> HTTPResponse:
         # what the stop filter held back and the end released is part of the answer (a possible stop that
         # was not one), as the Rust bankml's StopFilter.finish gives it
-        text = "".join(pieces) + last.held_text
-        if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
-            entries = entries[:max(0, len(entries) - last.logprobs_trim)]
-        self.tally.sent(text)
+        f = (await run.whole(self._entry))[0]
+        receipt = run.receipt(0, f.text, f.last, f.entries)  # over the text as generated
         if self.plan is None:
-            return json_response(self._finish(last, text, entries, streamed=False))
-        parsed = parse_calls(self.plan, text)
-        return json_response(self._finish(last, parsed.content or "", entries, streamed=False,
-                                          calls=ollama_calls(parsed.calls)))
+            return json_response(self._final(f.last, f.text, receipt, f.entries))
+        parsed = parse_calls(self.plan, f.text)
+        return json_response(self._final(f.last, parsed.content or "", receipt, f.entries, ollama_calls(parsed.calls)))
 
-    async def streamed(self, request, engine_request: GenerateRequest) -> None:
+    async def open(self, request):
+        return await request.respond(content_type=NDJSON, headers={"Cache-Control": "no-cache"})
+
+    async def output(self, response, run: Run, i: int, out: StepOutput) -> None:
         req = self.req
-        response = None
-        sent_entries: list[dict] = []
-        pending: list[dict] = []  # with tools: entries not yet on a line
-        calls = None if self.plan is None else ToolStream(self.plan)
-        first = True
-        async with self.loaded.client.generate(engine_request) as generation:
-            async for out in generation:
-                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                    if response is None:
-                        raise engine_error(self.loaded.client, out)
-                    # the status went out with the head: the failure is the stream's last line, no receipt
-                    await response.send((error_body(engine_error(self.loaded.client, out), Api.OLLAMA) + "\n").encode())
-                    await response.eof()
-                    return None
-                if response is None:
-                    response = await request.respond(content_type=NDJSON, headers={"Cache-Control": "no-cache"})
-                entry = self._entry(out)
-                text = out.text + (out.held_text if out.finish_reason is not None else "")
-                if calls is not None:  # tools: content once it is sure to be, the calls once whole
-                    pending += [entry] if entry is not None else []
-                    self.tally.sent(text)
-                    deltas = calls.feed(text)
-                    if out.finish_reason is not None:
-                        more, _ = calls.finish()
-                        deltas += more
-                    for line in _tool_lines(req, deltas, pending):
-                        sent_entries += pending
-                        pending = []
-                        await response.send(line)
-                elif text or (first and entry is not None):
-                    line_entries = [entry] if entry is not None else None
-                    await response.send(piece_line(req.tag, req.kind, text, line_entries))
-                    self.tally.sent(text)
-                    sent_entries += line_entries or []
-                first = False
-                if out.finish_reason is not None:
-                    if pending:  # with tools, entries no delta carried: a line of their own
-                        await response.send(piece_line(req.tag, req.kind, "", pending))
-                        sent_entries += pending
-                    await response.send(final_line(self._finish(out, "", sent_entries, streamed=True)))
-                    await response.eof()
-        return None  # the answer went out through `response`
+        entry = self._entry(out)
+        text = out.text + (out.held_text if out.finish_reason is not None else "")
+        if self.calls is not None:  # tools: content once it is sure to be, the calls once whole
+            self.pending += [entry] if entry is not None else []
+            run.sent(i, text)
+            deltas = self.calls.feed(text)
+            if out.finish_reason is not None:
+                more, _ = self.calls.finish()
+                deltas += more
+            for line in _tool_lines(req, deltas, self.pending):
+                run.sent(i, "", self.pending)
+                self.pending = []
+                await response.send(line)
+        elif text or (self.first and entry is not None):
+            line_entries = [entry] if entry is not None else None
+            await response.send(piece_line(req.tag, req.kind, text, line_entries))
+            run.sent(i, text, line_entries)
+        self.first = False
+        if out.finish_reason is not None and self.pending:  # with tools, entries no delta carried
+            await response.send(piece_line(req.tag, req.kind, "", self.pending))
+            run.sent(i, "", self.pending)
+            self.pending = []
 
+    async def last(self, response, run: Run, i: int, out: StepOutput, receipt: dict) -> None:
+        await response.send(final_line(self._final(out, "", receipt)))
+
+    async def failed(self, response, error: Exception) -> None:
+        # the status went out with the head: the failure is the stream's last line, no receipt
+        await response.send((error_body(error, Api.OLLAMA) + "\n").encode())
+
+    async def close(self, response) -> None:
+        return None
 
 
 def _tool_lines(req: OllamaRequest, deltas: list, entries: list[dict]):

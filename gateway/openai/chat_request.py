@@ -12,7 +12,7 @@ Messages, statuses and error types are llama-server's, recorded in tests/fixture
 (tests/test_parity.py); a few of its refusals are 500s (`server_error`), and so are ours.
 
 One difference in order: llama-server renders the template inside step 2, so a template error comes
-before a bad field there; here the template renders after the model is acquired (chat_route.py).
+before a bad field there; here the template renders after the model is acquired (chat.py).
 """
 
 from __future__ import annotations

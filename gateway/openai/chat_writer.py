@@ -68,7 +68,7 @@ def finish_reason(last: StepOutput, parsed: Parsed | None) -> str:
 
 
 @dataclass(frozen=True)
-class Completion:
+class ChatCompletion:
     """One chat completion's constants, repeated by its body or by every chunk of its stream."""
 
     id: str  # "chatcmpl-...", llama-server's form

@@ -5,13 +5,13 @@ model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; 
 the reason while the startup model is unusable (its file changed and does not verify again, or it
 failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
 `/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
-b11434 does (llama_text.py), `/props` is llama_props.py's, `/apply-template` reads a chat body as
+b11434 does (tokenize.py), `/props` is props.py's, `/apply-template` reads a chat body as
 /v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
 MiB body would otherwise stall every other client), on a thread of their own: a burst of /tokenize
 calls queues behind itself, never in front of the chat answers, which use the loop's default pool.
 `/slots` is the current model's scheduler's last snapshot (one entry per sequence slot, `[engine]
 max_seqs` of them), in llama-server's shape; `POST /slots/{id}` is gateway/openai/slots.py's. The
-routes of llama-server we do not serve are refused by name in llama_refusals.py.
+routes of llama-server we do not serve are refused by name in refusals.py.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ verify, identity again, the upstream address), as the Rust bankml's serve.rs sta
 10. only now bind --listen, then serve. Any refusal prints `bankml serve: refuse: <why>`, stops a
     spawned llama-server and returns 2, with no socket bound.
 Routes: /bankml (what was verified), /bankml/receipt-key (what signs the receipts), the monitor's
-(monitor_routes.py, shared with --native: usage of this process and the engine, an empty ring of
+(gateway/monitor/routes.py, shared with --native: usage of this process and the engine, an empty ring of
 answers, Prometheus, the status page), llama-server's /health, /props and /v1/models passed through,
-and /v1/chat/completions with signed receipts (p0_chat.py).
+and /v1/chat/completions with signed receipts (chat.py).
 They match the exact request target (a `?query` is another path); every connection passes the
 loopback rules first (loopback.py, shared with --native unchanged).
 """
@@ -39,7 +39,7 @@ from sanic import HTTPResponse, Sanic
 
 from bankml import __version__, jstr
 from bankml.config import ServeOptions
-from bankml.errors import BankmlError, StartFailed, UpstreamFailed
+from bankml.errors import BankmlError, StartFailed, UpstreamFailed, refuse_start
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
 from gateway.http.access import Access
@@ -199,11 +199,6 @@ def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutd
 # --- start-up ----------------------------------------------------------------------------------
 
 
-def _refuse(why: str) -> int:
-    print(f"bankml serve: refuse: {why}", file=sys.stderr, flush=True)
-    return 2
-
-
 def _watch(llama_server: LlamaServer) -> None:
     """Say so when llama-server ends while we serve (answers are 502 from then on)."""
 
@@ -255,7 +250,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     except BankmlError as e:
         if holder:
             holder[0].stop()
-        return _refuse(str(e))
+        return refuse_start(str(e))
     except BaseException:
         if holder:  # a bug must not leave llama-server running until we exit
             holder[0].stop()

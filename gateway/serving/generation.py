@@ -1,6 +1,6 @@
-"""The generation loop every text route shares: chat, /completion, /v1/completions, /infill.
+"""Reading the engine: the sequences of one answer (serving/answer.py, the pipeline every text route runs).
 
-A route hands one or more `GenerateRequest`s to the model's engine queue (engine_client.py), all of
+The pipeline hands one or more `GenerateRequest`s to the model's engine queue (engine_client.py), all of
 them at once, so the engine batches them as sequences of one decode step (llama-server posts one task
 per prompt and per `n`, server-context.cpp `handle_completions_impl`). Then either
 - `whole(...)`: each sequence read to its end (`Finished`: the text llama-server's non-streamed
@@ -19,9 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from gateway.http.errors import stream_error
 from gateway.serving.engine_client import engine_error
-from gateway.serving.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, StepOutput
 
 Entry = Callable[[StepOutput], dict]  # a logprob entry as the route writes it
@@ -127,32 +125,3 @@ async def outputs(loaded, requests: list[GenerateRequest]) -> AsyncIterator[Asyn
         finally:
             for p in pumps:
                 p.cancel()
-
-
-async def open_sse(request):
-    """The head of an SSE answer; it goes out with the first output, so a failure before it is still an
-    ordinary error status."""
-    return await request.respond(content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def end_failed(response, loaded, out: StepOutput) -> None:
-    """A sequence failed (out: its ERROR or ABORT output): before the head is sent, the engine's error
-    status; after it, an SSE error event and the end of the stream (no receipt for a failed answer)."""
-    if response is None:
-        raise engine_error(loaded.client, out)
-    await response.send(stream_error(engine_error(loaded.client, out)))
-    await response.eof()
-
-
-def metrics_model(loaded) -> str:
-    """The /bankml/metrics record's model: the file stem, its case kept."""
-    return loaded.file_name.removesuffix(".gguf")
-
-
-def answer_receipt(loaded, tally: Tally, text: str, last: StepOutput, entries: list[dict]) -> dict:
-    """The receipt of one answer: the text as sent, its logprob entries (if any), the engine's counts."""
-    tally.sent(text)
-    if entries:
-        tally.logprobs(entries)
-    tally.answered(last)
-    return tally.receipt_for(loaded)
