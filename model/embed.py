@@ -104,7 +104,7 @@ class Embedder:
     def __init__(self, config: Config, weights: Weights, cache_type: str, lowering: threading.Lock | None = None):
         self.config, self.weights, self.cache_type = config, weights, cache_type
         self._compiled: dict[tuple[int, int, int], object] = {}
-        # the engine's lock: one program is lowered at a time, beside the background compile (engine.py)
+        # the engine's lock: one program is lowered at a time, beside the background compile (model/compiled.py)
         self._lowering = lowering or threading.Lock()
 
     def plan(self, lengths: Sequence[int]) -> list[tuple[int, int, list[int]]]:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from bankml.config import PAGE_SIZE
 from bankml.errors import InvalidRequest, Overloaded
 from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, StepOutput, Timeline
 
@@ -477,7 +478,7 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = 16, cache_type: str = "f16") -> int:
+def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = PAGE_SIZE, cache_type: str = "f16") -> int:
     """The KV pool of `max_seqs` whole contexts for the model at `path` (K and V of every layer, in
     `cache_type`), from its header as the guard reads it: the pool each engine gets when several models
     share the device."""
@@ -490,7 +491,7 @@ def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int
 
 
 def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
-                kv_cache_bytes: int = 0, page_size: int = 16, whole_contexts: bool = False,
+                kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, whole_contexts: bool = False,
                 cache_type: str = "f16") -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine".

@@ -20,6 +20,7 @@ scales a [page_size, Dh // 32] tile).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,8 @@ from kernels.kvquant import (
 )
 from model.config import Config
 
-__all__ = ["CACHE_TYPES", "KVPool", "as_cached", "cache_type_refusal", "dequantize_q8_0", "init_pool",
-           "page_bytes", "quantize_q8_0", "read_cells", "rotate", "rotation", "write_cells"]
+__all__ = ["CACHE_TYPES", "KVPool", "as_cached", "cache_type_refusal", "dequantize_q8_0", "gather_pages", "init_pool",
+           "page_bytes", "quantize_q8_0", "read_cells", "rotate", "rotation", "scatter_pages", "write_cells"]
 
 _DTYPES = {"f16": jnp.float16, "f32": jnp.float32}  # "f32": an exact cache, for tests
 
@@ -122,3 +123,21 @@ def write_cells(pool: KVPool, index, k: jax.Array, v: jax.Array) -> KVPool:
     (kq, kd), (vq, vd) = quantize_q8_0(k), quantize_q8_0(v)
     return KVPool(pool.k.at[index].set(kq, mode="drop"), pool.v.at[index].set(vq, mode="drop"),
                   pool.k_scale.at[index].set(kd, mode="drop"), pool.v_scale.at[index].set(vd, mode="drop"))
+
+
+@jax.jit
+def gather_pages(leaf: jax.Array, pages: jax.Array) -> jax.Array:
+    """[L, n_pages, Hkv, P, X] (one of `KVPool.arrays`) -> the listed pages' cells in order,
+    [L, len(pages) * P, Hkv * X]; a page id past the pool reads the last page (clip)."""
+    x = jnp.take(leaf, pages, axis=1, mode="clip")  # [L, Np, Hkv, P, X]
+    n_layer, n_p, hkv, p, w = x.shape
+    return jnp.moveaxis(x, 2, 3).reshape(n_layer, n_p * p, hkv * w)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def scatter_pages(leaf: jax.Array, pages: jax.Array, cells: jax.Array) -> jax.Array:
+    """The inverse of `gather_pages`: cells [L, len(pages) * P, Hkv * X] into the listed pages; a page id
+    past the pool writes nothing (drop)."""
+    n_layer, _, hkv, p, w = leaf.shape
+    x = jnp.moveaxis(cells.reshape(n_layer, -1, p, hkv, w), 3, 2)  # [L, Np, Hkv, P, X]
+    return leaf.at[:, pages].set(x.astype(leaf.dtype), mode="drop")

@@ -10,7 +10,7 @@ temperature, token or batch ever asks for a program outside it:
 - "row": a prompt into the token history.
 Windows are counted in cells and given to programs in pages: powers of two from MIN_WINDOW up to the
 whole context, and for decode, which reads its whole window every step, 1.5x each between them.
-`essential_keys` are what first short requests need (model/engine.py compiles them before the rest).
+`essential_keys` are what first short requests need (model/compiled.py compiles them before the rest).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ free list only (never an eviction, never a preemption); when they cannot, it is 
 uses DRY or a grammar (whose bias or mask the host computes from the tokens)
 or that surely ends at this step also skips it.
 
-The device work is the runner's (model/engine.py): it owns the compiled programs, the KV pool and
+The device work is the runner's (model/runner.py): it runs the compiled programs on the KV pool and
 the token history; this module owns every decision and all the bookkeeping, and imports no jax.
 """
 
@@ -104,7 +104,7 @@ class Step:
 
 
 class Runner(Protocol):
-    """The device side the scheduler drives (model.engine.Engine)."""
+    """The device side the scheduler drives (model.runner.Runner)."""
 
     def start_sequence(self, seq: Sequence) -> None:
         """A newly admitted sequence's tokens into its slot's row of the token history."""

@@ -221,8 +221,8 @@ def test_the_engine_frees_the_restart_sequences_of_old_breaker_lists(tmp_path):
     engine = Engine.load(write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1), verified=True, n_ctx=64,
                          warmup=False)
     for i in range(50):  # each request may name its own list: the probe's 10 MB a request, never freed
-        engine._restarts((f"b{i}", "\n"))
-    assert len(engine._dry_restarts) <= 8
+        engine.runner._restarts((f"b{i}", "\n"))
+    assert len(engine.runner._dry_restarts) <= 8
 
 
 def test_the_partial_stop_is_the_longest_prefix_of_a_stop_the_text_ends_with():

@@ -1,4 +1,4 @@
-"""The decode loop that stays on the device (model/engine.py, model/steps.py, model/scheduler.py), on the
+"""The decode loop that stays on the device (model/runner.py, model/steps.py, model/scheduler.py), on the
 tiny random llama: DRY's bias only for the rows that use DRY, each step's input token read on the
 device, and lookahead (the next step dispatched before this one's tokens are read) changing nothing a
 client sees, in a pool so small that long answers preempt each other."""
@@ -10,7 +10,7 @@ import pytest
 from test_dry import _repeating_prompt
 from tiny_gguf import write_tiny_gguf
 
-import model.engine
+import model.runner
 from model.engine import Engine
 from model.messages import GenerateRequest, SamplingParams
 
@@ -62,14 +62,14 @@ def test_only_the_rows_that_use_dry_send_a_bias(engine, monkeypatch):
     plain = SamplingParams(temperature=0.0, max_tokens=8)
     assert _alone(engine, repeat, dry) != _alone(engine, repeat, plain)  # DRY acts on this prompt
     sent: list[tuple[int, tuple | None]] = []
-    bias = model.engine.host_bias
+    bias = model.runner.host_bias
 
     def spy(seqs, rows, *rest):
         out = bias(seqs, rows, *rest)  # (pre, post, at) or None (model/host_bias.py)
         sent.append((rows, None if out is None else (out[1].shape, tuple(out[2].tolist()))))
         return out
 
-    monkeypatch.setattr(model.engine, "host_bias", spy)
+    monkeypatch.setattr(model.runner, "host_bias", spy)
     alone = [_alone(engine, repeat, dry), _alone(engine, _prompt(11, seed=2), plain)]
     assert set(sent) == {(1, ((1, engine.config.n_vocab), (0,))), (1, None)}
     sent.clear()
@@ -79,7 +79,7 @@ def test_only_the_rows_that_use_dry_send_a_bias(engine, monkeypatch):
     sent.clear()
     _together(engine, [(_prompt(7, seed=3), plain), (_prompt(9, seed=4), plain)])
     assert sent and all(out is None for _, out in sent)
-    assert {k for k in engine._compiled if k[0] == "select"} == {("select", 1, 0), ("select", 1, 1),
+    assert {k for k in engine.compiled.ready if k[0] == "select"} == {("select", 1, 0), ("select", 1, 1),
                                                                     ("select", 2, 0), ("select", 2, 1)}
 
 
@@ -175,17 +175,17 @@ def test_the_gpu_configuration_runs_here_and_changes_no_output(engine):
                                                      repeat_penalty=1.2))]
     engine.scheduler.pool.clear()
     plain = _outputs(engine, requests)
-    selects = [k for k in engine._compiled if k[0] == "select"]
-    engine.branchless, engine.scheduler.lookahead = True, True
+    selects = [k for k in engine.compiled.ready if k[0] == "select"]
+    engine.compiled.branchless, engine.scheduler.lookahead = True, True
     before = engine.scheduler.lookahead_steps
     for key in selects:  # the samplers compile again, without branches
-        del engine._compiled[key]
+        del engine.compiled.ready[key]
     try:
         engine.scheduler.pool.clear()
         gpu = _outputs(engine, requests)
     finally:
-        engine.branchless, engine.scheduler.lookahead = False, False
+        engine.compiled.branchless, engine.scheduler.lookahead = False, False
         for key in selects:
-            engine._compiled.pop(key, None)
+            engine.compiled.ready.pop(key, None)
     assert gpu == plain
     assert engine.scheduler.lookahead_steps > before + 3, (engine.scheduler.lookahead_steps, before)

@@ -93,7 +93,7 @@ def test_the_engine_applies_dry_to_greedy_decoding(engine):
     params = SamplingParams(temperature=0.0, max_tokens=4, dry_multiplier=1000.0, dry_base=1.75,
                             dry_allowed_length=2, dry_penalty_last_n=-1)
     tokens = [o.token for o in engine.generate(prompt, params)]
-    restarts = engine._restarts(tuple(params.dry_sequence_breakers))
+    restarts = engine.runner._restarts(tuple(params.dry_sequence_breakers))
     seq, want = list(prompt), []
     for _ in range(4):
         bias = dry_bias(seq, 1000.0, 1.75, 2, engine.n_ctx, restarts, engine.config.n_vocab)
@@ -102,9 +102,9 @@ def test_the_engine_applies_dry_to_greedy_decoding(engine):
     assert tokens == want
     assert tokens[0] != g  # g extends the repeat: DRY's 1000 * 1.75^(3-2) pushes it down
     # the compiled samplers are the ones plain requests use
-    selects = {k for k in engine._compiled if k[0] == "select"}
+    selects = {k for k in engine.compiled.ready if k[0] == "select"}
     list(engine.generate(prompt[::-1], SamplingParams(temperature=0.0, max_tokens=2)))
-    assert {k for k in engine._compiled if k[0] == "select"} == selects
+    assert {k for k in engine.compiled.ready if k[0] == "select"} == selects
 
 
 def test_dry_multiplier_is_no_longer_refused(tmp_path):

@@ -256,7 +256,7 @@ def test_requests_in_the_same_buckets_compile_nothing(request, tmp_path):
         return tokens
 
     assert len(serve(20, SamplingParams(temperature=0.0, max_tokens=6), 0)) == 6  # compiles what it needs
-    programs = len(engine._compiled)
+    programs = len(engine.compiled.ready)
     events: list[str] = []
 
     def listen(event: str, duration_s: float, **_) -> None:
@@ -270,8 +270,8 @@ def test_requests_in_the_same_buckets_compile_nothing(request, tmp_path):
     finally:
         monitoring.unregister_event_duration_listener(listen)
     backend = [e for e in events if e.endswith("backend_compile_duration")]
-    record(request, programs=programs, new_programs=len(engine._compiled) - programs,
+    record(request, programs=programs, new_programs=len(engine.compiled.ready) - programs,
            backend_compiles=len(backend), compile_events=len(events))
     assert (len(a), len(b)) == (5, 9)
-    assert len(engine._compiled) == programs, "a request in the same buckets compiled a new program"
+    assert len(engine.compiled.ready) == programs, "a request in the same buckets compiled a new program"
     assert not backend, f"{len(backend)} XLA compilations during requests in warm buckets"

@@ -106,7 +106,7 @@ def test_save_computes_what_the_cache_evicted(path, tmp_path):
 def slots_expect(engine):
     from model.slots import expect
 
-    return expect(engine, SHA)
+    return expect(engine.runner, SHA)
 
 
 def test_a_name_of_255_bytes_is_saved(path, tmp_path):

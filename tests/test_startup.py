@@ -173,7 +173,7 @@ def tiny_path(tmp_path_factory):
 def answers_compiled_at_start(tiny_path):
     engine = Engine.load(tiny_path, verified=True, n_ctx=1024, warmup=False)
     engine.warmup()
-    assert len(engine._compiled) == len(engine.programs.keys())
+    assert len(engine.compiled.ready) == len(engine.programs.keys())
     return _answers(engine)
 
 
@@ -182,14 +182,14 @@ def test_the_essentials_answer_a_first_request_with_no_compile(tiny_path):
     engine.lazy_compile = True
     engine.warmup()
     essential = set(engine.programs.essential_keys())
-    assert set(engine._compiled) == essential < set(engine.programs.keys())
+    assert set(engine.compiled.ready) == essential < set(engine.programs.keys())
     # windows are in pages of 16: 16 pages hold 256 cells, 32 pages 512, 64 the whole context; one
     # sequence gets 512 cells before bind, several at once 256
     assert ("prefill", 64, 0) in essential and ("decode", 1, 32) in essential and ("decode", 4, 16) in essential
     assert ("prefill", 512, 0) not in essential and ("decode", 1, 64) not in essential
     assert ("decode", 4, 32) not in essential
     list(engine.generate(_prompt(40, 1), SamplingParams(temperature=0.0, max_tokens=8)))
-    assert set(engine._compiled) == essential
+    assert set(engine.compiled.ready) == essential
 
 
 def test_programs_compiled_on_first_use_give_the_same_tokens(tiny_path, answers_compiled_at_start):
@@ -206,7 +206,7 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
     unneeded = ("prefill", 64, 64)  # no request here needs it: held back until they are all answered
     assert unneeded in engine.programs.keys() and unneeded not in engine.programs.essential_keys()
     release_shared, release_unneeded = threading.Event(), threading.Event()
-    lower = engine._lower
+    lower = engine.compiled.lower
 
     def counting_lower(kind, t, window):
         key = (kind, t, window)
@@ -217,7 +217,7 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
             release_unneeded.wait(120)
         return lower(kind, t, window)
 
-    engine._lower = counting_lower
+    engine.compiled.lower = counting_lower
     background = engine.compile_in_background()
     assert background is not None
     threading.Timer(0.5, release_shared.set).start()  # whoever compiles it, the other one waits for it
@@ -229,7 +229,7 @@ def test_requests_during_the_background_compile_are_right_and_nothing_compiles_t
     background.join(120)
     assert not background.is_alive()
     assert got == answers_compiled_at_start
-    assert set(engine._compiled) == set(engine.programs.keys())
+    assert set(engine.compiled.ready) == set(engine.programs.keys())
     assert set(lowered) == set(engine.programs.keys()) - set(engine.programs.essential_keys())
     assert max(lowered.values()) == 1
     assert engine.compile_in_background() is None  # nothing left
@@ -253,7 +253,7 @@ def test_an_engine_unloaded_during_the_background_compile_is_freed(tiny_path, ca
     # one sequence: 12 essential programs, 8 left for the background
     engine = Engine.load(tiny_path, verified=True, n_ctx=512, max_seqs=1, warmup=False)
     engine.warmup(essential=True)
-    with caplog.at_level(logging.INFO, logger="model.engine"):
+    with caplog.at_level(logging.INFO, logger="model.compiled"):
         background = engine.compile_in_background()
         freed = weakref.ref(engine)
         del engine  # what unloading does: the engine thread drops its only reference

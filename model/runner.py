@@ -1,0 +1,196 @@
+"""The step runner: the device side the scheduler drives (model/scheduler.py's `Runner`).
+
+It holds the weights, the paged KV pool (model/kvcache.py) and the token history the penalties read,
+and runs the engine's compiled programs (model/compiled.py) on them: a newly admitted sequence's
+prompt into its history row (`start_sequence`), a prefill chunk, a decode step for a batch, and the
+sampler over their logits (`sample_async`, then `read`). The decode loop stays on the device: a
+step's input tokens are gathered there from the history the last select wrote, DRY's bias is sent
+for DRY's rows alone (model/host_bias.py), and nothing here waits on the device but `read`. Each
+program consumes (donates) the pool or the history it is given and returns the new one, which the
+runner keeps; `reset` makes again whatever a failed program consumed.
+
+Slot files (model/slots.py) reach the pool through `pages_to_host` and `pages_from_host` alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.compiled import ProgramCache
+from model.config import Config
+from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
+from model.host_bias import host_bias
+from model.kvcache import KVPool, gather_pages, init_pool, scatter_pages
+from model.messages import SamplingParams
+from model.programs import ProgramTable
+from model.sampler_chain import chain_arrays
+from model.scheduler import Sequence as SchedSequence
+from model.steps import Sampled
+from model.weights import Weights
+
+Tokens = list[tuple[int, float | None, list]]  # per sequence: (token, logprob, top [(id, logprob)])
+
+
+def empty_history(max_seqs: int, n_ctx: int) -> jax.Array:
+    """Each slot's tokens, for the penalties [max_seqs + 1, n_ctx]; the last row takes the padding
+    rows' writes."""
+    return jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
+
+
+class Runner:
+    """Runs the steps of the sequences the scheduler picks, on this engine's weights, pool and history."""
+
+    def __init__(self, config: Config, weights: Weights, tokenizer, table: ProgramTable, compiled: ProgramCache,
+                 pool: KVPool, history: jax.Array, *, eog_ids: frozenset[int]):
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer  # each token's text, for DRY's breakers
+        self.table = table
+        self.compiled = compiled
+        self.pool = pool
+        self.history = history
+        self.cache_type = pool.cache_type
+        self.eog_ids = eog_ids  # for ignore_eos
+        self.n_ctx = table.n_ctx
+        self.max_seqs = table.max_seqs
+        self.max_pages = -(-table.n_ctx // table.page_size)
+        self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
+        self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
+
+    # --- the scheduler's runner ---------------------------------------------------------------------
+
+    def start_sequence(self, seq: SchedSequence) -> None:
+        row = np.zeros(self.n_ctx, np.int32)
+        row[:len(seq.tokens)] = seq.tokens
+        self.history = self.compiled.get("row", 0, 0)(self.history, np.int32(seq.slot), row)
+
+    def _table(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
+        table = np.zeros((rows, self.max_pages), np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.pages)] = seq.pages
+        return table
+
+    def prefill(self, seq: SchedSequence, n: int) -> jax.Array:
+        start = seq.n_computed
+        t, window = self.table.prefill_shape(start, n)
+        padded = np.zeros((1, t), np.int32)
+        padded[0, :n] = seq.tokens[start:start + n]
+        program = self.compiled.get("prefill", t, window)
+        self.pool, logits = program(self.weights, self.pool, padded, self._table([seq], 1),
+                                    np.array([start], np.int32), np.array([n], np.int32))
+        return logits
+
+    def decode(self, seqs: list[SchedSequence]) -> jax.Array:
+        """One step for `seqs`, each at `n_computed`; its input token is read on the device, from
+        the history row its last select (or its prompt) wrote, never from the host's `next_token`."""
+        b = next(x for x in self.table.batches if x >= len(seqs))
+        slots = np.full(b, self.max_seqs, np.int32)  # padding rows read the spare row, write nothing
+        starts, n_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1
+        window = self.table.window_pages(int(starts.max()), self.table.decode_windows)
+        self.pool, logits = self.compiled.get("decode", b, window)(
+            self.weights, self.pool, self.history, slots, self._table(seqs, b), starts, n_new)
+        return logits
+
+    def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> Tokens:
+        return self.read(seqs, self.sample_async(seqs, logits))
+
+    def sample_async(self, seqs: list[SchedSequence], logits: jax.Array, ahead: int = 0) -> Sampled:
+        """Dispatch the sampling of `seqs` from `logits` and start copying what it returns to the
+        host; `read` waits for it. ahead 1: the step ahead's, one token past what the host holds
+        (that token is in the history already: the previous select wrote it)."""
+        b = logits.shape[0]
+        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
+        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
+        rows = np.full(b, self.max_seqs, np.int32)  # padding rows write to the spare row
+        lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, seq in enumerate(seqs):
+            rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
+        # filled while the device computes the step just dispatched (model/host_bias.py)
+        host = host_bias(seqs, b, self.table.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
+        if host is not None and ahead and self.needs_host(seqs):
+            raise AssertionError("DRY's bias and grammars need the host's tokens: no step ahead (needs_host)")
+        program = self.compiled.get("select", b, 0 if host is None else host[2].shape[0])
+        post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
+        out, self.history = program(logits, sa, self.history, rows, lengths, steps, post, at, pre)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out
+
+    def read(self, seqs: list[SchedSequence], sampled: Sampled) -> Tokens:
+        out = jax.device_get(sampled)
+        result = []
+        for i, seq in enumerate(seqs):
+            n_probs = seq.request.params.n_probs
+            top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i, :n_probs], out.top_logprobs[i, :n_probs],
+                                                        strict=True)]
+            result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
+        return result
+
+    def needs_host(self, seqs: list[SchedSequence]) -> bool:
+        """Whether any of `seqs` uses DRY or a grammar, which the host computes from its tokens."""
+        return any(_wants_dry(s.request.params) or s.request.constraint is not None for s in seqs)
+
+    def _dry_row(self, s: SchedSequence) -> np.ndarray | None:
+        """DRY's penalties [V] for a sequence that asks for it, else None."""
+        p = s.request.params
+        if not _wants_dry(p):
+            return None
+        last_n = self.n_ctx if p.dry_penalty_last_n < 0 else p.dry_penalty_last_n
+        return dry_bias(s.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length, last_n,
+                        self._restarts(tuple(p.dry_sequence_breakers)), self.config.n_vocab)
+
+    def _restarts(self, breakers: tuple[str, ...]) -> RestartSequences:
+        """The breakers' restart sequences, built once per breaker list (searches of the vocabulary's
+        text) and kept while that list is among the recently used."""
+        if self._pieces is None:
+            self._pieces = PieceIndex([self.tokenizer.token_to_piece(t, True) for t in range(self.tokenizer.n_vocab)])
+        return self._dry_restarts.get(breakers, lambda: restart_sequences(
+            breakers, self._pieces, lambda text: self.tokenizer.encode(text, False, False)))
+
+    # --- after a failed iteration -------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Make again a pool or history the failed program consumed (donated)."""
+        if self.pool.k.is_deleted() or self.pool.v.is_deleted():
+            self.pool = init_pool(self.config, self.pool.n_pages, self.table.page_size, self.cache_type)
+        if self.history.is_deleted():
+            self.history = empty_history(self.max_seqs, self.n_ctx)
+
+    # --- slot files (model/slots.py) -----------------------------------------------------------------
+
+    def pages_to_host(self, pages: list[int], n_tokens: int) -> list[np.ndarray]:
+        """The K/V of the first `n_tokens` cells of `pages` (in order), per pool array (`KVPool.arrays`):
+        [L, n_tokens, Hkv * X] each, on the host."""
+        ids = _pages_bucket(pages, self.pool.n_pages)
+        return [np.asarray(gather_pages(leaf, ids))[:, :n_tokens] for leaf in self.pool.arrays]
+
+    def pages_from_host(self, pages: list[int], cells: Sequence[np.ndarray]) -> None:
+        """`cells` (per pool array, [L, n, Hkv * X], as `pages_to_host` returns them) into the first n
+        cells of `pages`, in order."""
+        ids = _pages_bucket(pages, self.pool.n_pages)
+        rows = len(ids) * self.table.page_size
+        leaves = []
+        for leaf, part in zip(self.pool.arrays, cells, strict=True):
+            padded = np.zeros((part.shape[0], rows, part.shape[2]), part.dtype)
+            padded[:, :part.shape[1]] = part
+            leaves.append(scatter_pages(leaf, ids, padded))
+        self.pool = KVPool(*leaves)
+
+
+def _pages_bucket(pages: list[int], n_pages: int) -> np.ndarray:
+    """The page ids padded to a power of two with `n_pages` (past the pool: reads clip, writes drop),
+    so a few programs serve every length."""
+    size = 1 << max(0, len(pages) - 1).bit_length()
+    out = np.full(size, n_pages, np.int32)
+    out[:len(pages)] = pages
+    return out
+
+
+def _wants_dry(p: SamplingParams) -> bool:
+    return dry_enabled(p.dry_multiplier, p.dry_base, p.dry_penalty_last_n)
