@@ -90,7 +90,7 @@ class Ours:
         # the first iteration samples the first token and runs the first decode step: time the first
         # sample itself, so ttft stays prompt -> first token
         sampled: list[float] = []
-        plain = engine.sample
+        plain = engine.runner.sample
 
         def timed(seqs, logits):
             out = plain(seqs, logits)
@@ -98,7 +98,7 @@ class Ours:
                 sampled.append(time.perf_counter())
             return out
 
-        engine.sample = timed  # the scheduler calls its runner's sample: this instance's
+        engine.runner.sample = timed  # the scheduler calls its runner's sample: this instance's
         try:
             t0 = time.perf_counter()
             engine.add(GenerateRequest(ids, SamplingParams(temperature=0.0, max_tokens=n_decode), "b"))
@@ -107,7 +107,7 @@ class Ours:
                 tokens += [o.token for _, o in engine.iterate().outputs]
             t_end = time.perf_counter()
         finally:
-            del engine.sample
+            del engine.runner.sample
         t_first = sampled[0]
         return {"ttft_ms": (t_first - t0) * 1e3, "prefill_tok_per_s": len(ids) / (t_first - t0),
                 "decode_tok_per_s": (len(tokens) - 1) / (t_end - t_first), "decode_tokens": len(tokens)}
@@ -118,7 +118,8 @@ class Ours:
 
         e = self.engine
         spent = {"build": 0.0, "read": 0.0}
-        plain = {name: getattr(e, name) for name in ("decode", "sample_async", "read")}
+        runner = e.runner  # the scheduler calls these on it (model/runner.py)
+        plain = {name: getattr(runner, name) for name in ("decode", "sample_async", "read")}
 
         def timed(name, part):
             def f(*args, **kw):
@@ -129,7 +130,8 @@ class Ours:
                     spent[part] += time.perf_counter() - t0
             return f
 
-        e.decode, e.sample_async, e.read = timed("decode", "build"), timed("sample_async", "build"), timed("read", "read")
+        runner.decode, runner.sample_async = timed("decode", "build"), timed("sample_async", "build")
+        runner.read = timed("read", "read")
         default, e.scheduler.lookahead = e.scheduler.lookahead, lookahead
         steps: list[tuple[float, float, float]] = []  # per decode-only iteration: wall, build, read (s)
         try:
@@ -142,7 +144,7 @@ class Ours:
                 steps.append((time.perf_counter() - t0, spent["build"], spent["read"]))
         finally:
             for name in plain:
-                delattr(e, name)
+                delattr(runner, name)
             e.scheduler.lookahead = default
         steps = steps[:-1]  # the last iteration reads a step and dispatches none
 
@@ -164,7 +166,8 @@ class Ours:
 
         e = self.engine
         window = e.programs.window_pages(position, e.programs.decode_windows)
-        decode, select = e._program("decode", 1, window), e._program("select", 1, 0)
+        decode, select = e.compiled.get("decode", 1, window), e.compiled.get("select", 1, 0)
+        r = e.runner  # its pool and history, which each program consumes and returns
         put = jax.device_put
         slots, table = put(np.array([0], np.int32)), put(np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages)
         starts, n_new = put(np.array([position], np.int32)), put(np.ones(1, np.int32))
@@ -172,8 +175,8 @@ class Ours:
         rows, lengths, steps = put(np.array([0], np.int32)), put(np.array([position + 1], np.int32)), put(np.zeros(1, np.int32))
 
         def step():
-            e.pool, logits = decode(e.weights, e.pool, e._history, slots, table, starts, n_new)
-            out, e._history = select(logits, sa, e._history, rows, lengths, steps, None, None)
+            r.pool, logits = decode(r.weights, r.pool, r.history, slots, table, starts, n_new)
+            out, r.history = select(logits, sa, r.history, rows, lengths, steps, None, None, None)
             return out
 
         jax.block_until_ready(step())
@@ -200,15 +203,15 @@ class Ours:
         e = self.engine
         # one sequence's decode step in the smallest window, as the runs above decode (batch 1)
         window = e.programs.window_pages(e.programs.decode_windows[0], e.programs.decode_windows)
-        program = e._program("decode", 1, window)
-        args = (e._history, np.zeros(1, np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
+        program, r = e.compiled.get("decode", 1, window), e.runner
+        args = (r.history, np.zeros(1, np.int32), np.arange(e.max_pages, dtype=np.int32)[None] % e.pool.n_pages,
                 np.array([window * e.page_size - 1], np.int32), np.ones(1, np.int32))
-        e.pool, logits = program(e.weights, e.pool, *args)
+        r.pool, logits = program(r.weights, r.pool, *args)
         logits.block_until_ready()
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp, create_perfetto_trace=True):
                 for _ in range(5):
-                    e.pool, logits = program(e.weights, e.pool, *args)
+                    r.pool, logits = program(r.weights, r.pool, *args)
                 logits.block_until_ready()
             trace = json.load(gzip.open(glob.glob(f"{tmp}/**/*perfetto_trace.json.gz", recursive=True)[0]))
         e.reset()  # those steps wrote into pages the prefix cache may list
@@ -282,7 +285,7 @@ def _start_child(args) -> None:
     load_s = time.perf_counter() - t0
     compile_s = engine.warmup(essential=args.essential)
     print(json.dumps({"start_s": load_s + compile_s, "load_s": load_s, "compile_s": compile_s,
-                      "n_programs": len(engine._compiled), "of_programs": len(engine.programs.keys())}))
+                      "n_programs": len(engine.compiled.ready), "of_programs": len(engine.programs.keys())}))
 
 
 def start_times(model: Path, n_ctx: int | None) -> dict:
@@ -361,7 +364,7 @@ def main() -> int:
         "prompt_tokens": len(ids), "decode_tokens": args.decode_tokens, "llama_args": args.llama_args,
         "ours": {"startup_s": (ours.verify_s or 0.0) + ours.load_s + ours.compile_s, "verify_s": ours.verify_s,
                  "verify": ours.verify_note, "load_s": ours.load_s, "compile_s": ours.compile_s,
-                 "n_programs": len(ours.engine._compiled), **_medians(ours_runs),
+                 "n_programs": len(ours.engine.compiled.ready), **_medians(ours_runs),
                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                  "rss_after_warmup_bytes": ours.rss_after_warmup_bytes, "rss_end_bytes": _status_bytes("VmRSS"),
                  "runs": ours_runs},
