@@ -60,3 +60,10 @@ def test_work_numbers_its_sequences_prompt_by_prompt():
     assert [(r.prompt_tokens, r.request_id) for r in requests] == [([1, 2], "a"), ([1, 2], "b"), ([3], "c"),
                                                                     ([3], "d")]
     assert all(r.return_progress and r.id_slot == 1 and r.params is params for r in requests)
+
+
+def test_work_without_a_slot_asks_for_any_slot():
+    """A dialect with no id_slot (Ollama's) gets -1, the scheduler's "any free slot"; None once made the
+    engine thread fail every step of a real /api/chat (tests/test_ollama_smollm2.py hung on it)."""
+    [r] = Work([[1]], SamplingParams(), ["a"], writer=None, stream=False).requests()
+    assert r.id_slot == -1
