@@ -46,7 +46,7 @@ commands:
   bankml sha256 FILE
   bankml pin FILE --fork F
   bankml verify [FILE --fork F] [--rule-set mainline] [--json]
-  bankml fork FILE [-o OUT]
+  bankml fork FILE [-o OUT] [--sign KEY]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
                [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
                [--chat-template-file FILE] [--receipt-key FILE]
@@ -146,6 +146,8 @@ def build_parser() -> _Parser:
     p = command("fork", "write a FORK.json pinning a local file")
     p.add_argument("file", metavar="FILE")
     p.add_argument("-o", "--output", metavar="OUT", help="where to write it (default: FILE.FORK.json)")
+    p.add_argument("--sign", metavar="KEY", help="also sign FILE with this EC private key (PEM) into FILE.sig, an "
+                                                "OpenSSF model signature that FORK.json names (needs bankml[signing])")
 
     p = command("serve", "verify a model, then serve it (--native: bankML's own engine; else in front "
                          "of llama-server)")
@@ -313,7 +315,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     path, fork_text = model_and_fork(args, "verify")
     try:
-        verified = verify(path, fork_text, rule_set=args.rule_set)
+        verified = verify(path, fork_text, rule_set=args.rule_set, fork_path=_fork_path(args))
     except BankmlError as e:
         print(refusal_json(str(e)) if args.json else f"refuse: {e}")
         return exit_code(e)
@@ -321,6 +323,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(verified.to_json())
     else:
         print(f"play pinned {verified.model_sha256}")
+        if verified.model_signer is not None:
+            print(f"signed by {verified.model_signer}")
         if args.file is None:
             _err(f"bankml: the default model {path} is verified")
     return EXIT_OK
@@ -337,12 +341,25 @@ def cmd_fork(args: argparse.Namespace) -> int:
     except OSError as e:
         _err(f"cannot hash {args.file}: {e.strerror or e}")
         return exit_code(Unreadable)
+    if args.sign is not None:  # the bundle beside the model; FORK.json names it relative to itself
+        from bankml.model_signature import sign_model
+
+        bundle = args.file + ".sig"
+        try:
+            signer_record, signer = sign_model(args.file, args.sign, bundle)
+        except BankmlError as e:
+            _err(f"bankml fork: {e}")
+            return exit_code(e)
+        record["signature"] = os.path.relpath(os.path.abspath(bundle), os.path.dirname(os.path.abspath(out)))
+        record["signer"] = signer_record
     try:
         Path(out).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     except OSError as e:
         _err(f"cannot write {out}: {e.strerror or e}")
         return exit_code(Unreadable)
     print(f"{record['files'][0]['sha256']}  {out}")
+    if args.sign is not None:
+        print(f"signed by {signer}  {bundle}")
     return EXIT_OK
 
 

@@ -3,7 +3,8 @@
 "models" are the registry's names; "resident" the most recently used resident model, "loaded" every
 resident one, most recently used first. Only when started with them: "chat_template_sha256" and
 "chat_template_file" (the --chat-template-file in force for the startup model), "api_keys" (how many
-keys are asked for, never which), "allowed_origins" (admitted besides the server's own origin).
+keys are asked for, never which), "allowed_origins" (admitted besides the server's own origin). Only for a
+signed model: "model_signer" (who signed the most recently verified file: bankml/model_signature.py).
 
 It answers from the most recent verification, so a client (sAGI's models.py reads
 `verified.model_sha256` and `model`) can check what it is talking to before it asks anything. The
@@ -39,6 +40,7 @@ def bankml_info(state) -> dict[str, Any]:
         "models": res.names,
         "weights": _weights_report(state),
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
+        **({"model_signer": last.verified.model_signer} if last and last.verified.model_signer else {}),
         **_edge(res, access),
     }
 

@@ -14,7 +14,9 @@ that was signed.
 
 Each receipt is signed with the server's ed25519 key (bankml/signing.py): `"signed": true`, the key's
 `key_id` and the `signature` over the receipt's canonical bytes, which a client checks against
-`GET /bankml/receipt-key`, or with `bankml receipt verify`.
+`GET /bankml/receipt-key`, or with `bankml receipt verify`. A signed model's receipts also carry
+`model_signer` (who signed the model file: bankml/model_signature.py), under the same signature; an
+unsigned model's receipts do not have the key, as before.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class Tally:
             out["logprobs_sha256"] = self.logprobs_sha256
         if chat_template_sha256 is not None:
             out["chat_template_sha256"] = chat_template_sha256
+        if verified.model_signer is not None:
+            out["model_signer"] = verified.model_signer
         return self.key.sign(out)
 
 

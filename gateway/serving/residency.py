@@ -363,7 +363,8 @@ class Residency:
         startup = self.startup_gated
         given = (startup.given or startup.path) if pin is self.registry.startup else pin.path
         try:
-            return await asyncio.to_thread(gate_model, given, pin.fork_text, startup.verified.rule_set)
+            return await asyncio.to_thread(gate_model, given, pin.fork_text, startup.verified.rule_set,
+                                           pin.fork_path)
         except BankmlError as e:  # Unreadable, Refused, FileChanged: not the verified file
             log.warning("%s does not verify: %s", given, e)
             standing = self.unusable.get(pin.name)
