@@ -66,8 +66,7 @@ def main(argv: list[str]) -> int:
             serve=dataclasses.replace(c.serve, listen=listen or c.serve.listen, upstream=upstream or c.serve.upstream),
             registry=dataclasses.replace(c.registry, max_loaded=extra.max_loaded or c.registry.max_loaded))
         options = dataclasses.replace(options, config=config)
-        gated = dataclasses.replace(gate_model(args.file, read_fork(args.fork, "serve")),
-                                    fork_path=str(Path(args.fork).resolve()))
+        gated = gate_model(args.file, read_fork(args.fork, "serve"), fork_path=str(Path(args.fork).resolve()))
     except BankmlError as e:
         return refuse_start(e)
     sizes = json.loads(extra.model_bytes)
