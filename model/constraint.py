@@ -32,6 +32,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from model import gbnf
 from model.tokenizer import TokenAttr
 
 # llama.cpp's SPACE_RULE, as a regex between JSON's tokens
@@ -39,9 +40,11 @@ JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})?"
 JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "item_separator": ",",
                                 "key_separator": ":"}
 # what a grammar may cost (llguidance's own limits, tightened for a request): compile fuel, lexer
-# states, grammar size. A schema past them is refused with llguidance's reason.
+# states, grammar size. A schema past them is refused with llguidance's reason. Items in a row (its
+# default) is checked only while decoding: model/gbnf.py refuses a GBNF past it before.
 LIMITS = llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_lexer_states=100_000,
-                                   max_grammar_size=200_000, verbose_errors=False)
+                                   max_grammar_size=200_000, max_items_in_row=gbnf.MAX_ITEMS_IN_ROW,
+                                   verbose_errors=False)
 
 
 class GrammarRejected(ValueError):
@@ -105,7 +108,14 @@ def json_object_grammar() -> str:
 
 
 def gbnf_grammar(text: str) -> str:
-    """A GBNF grammar (llama-server's `grammar`) in llguidance's Lark."""
+    """A GBNF grammar (llama-server's `grammar`) in llguidance's Lark; GrammarRejected for one past what
+    llguidance takes (model/gbnf.py, check_llguidance_size)."""
+    try:
+        gbnf.check_llguidance_size(text)
+    except gbnf.GrammarTooLarge as e:
+        raise GrammarRejected(str(e)) from None
+    except gbnf.GrammarError:
+        pass  # what llama.cpp's parser refuses was refused with its words before (request_fields.py)
     try:
         return LLMatcher.grammar_from_lark(gbnf_to_lark(text))
     except Exception as e:  # gbnf_to_lark raises plain Exceptions on what it cannot read

@@ -4,7 +4,10 @@
 `parse_gbnf(text)` returns the rules (each a list of (type, value) elements ending in END) and the
 symbol table, or raises `GrammarError` where llama.cpp's grammar sampler would fail to build: a
 syntax error, an undefined rule, no `root`, left recursion, repetitions over the sane limit, or a
-`<token>` that is not exactly one token. The request path uses it to answer an unparsable grammar as
+`<token>` that is not exactly one token. `check_llguidance_size(text)` raises `GrammarTooLarge` for a
+grammar llama.cpp parses and llguidance (which constrains our decoding) would fail on later: a rule of
+more alternatives than its parser holds in a row fails mid-decode, and a chain of thousands of rules
+overflows its compile's stack and ends the process. Both are refused by name before any model work. The request path uses it to answer an unparsable grammar as
 llama-server does ("failed to parse grammar"); constrained sampling itself builds on these rules.
 """
 
@@ -30,6 +33,20 @@ class GrammarTooDeep(GrammarError):
     """Parentheses nested deeper than MAX_NESTING: llama.cpp would parse it; we refuse it by name."""
 
 
+# llguidance's Earley parser holds at most 2000 items in a row (ParserLimits.max_items_in_row, the
+# default model/constraint.py keeps): one rule's alternatives, all predicted at once, take one each, and
+# its start rule one more ("Current row has 2001 items; max is 2000", after the first token)
+MAX_ITEMS_IN_ROW = 2000
+MAX_ALTERNATIVES = MAX_ITEMS_IN_ROW - 1
+# rules a grammar defines: llguidance's compile recursed past an 8 MiB stack (a segfault) on a chain of
+# 4,000 rules; real grammars define tens to hundreds
+MAX_RULES = 1000
+
+
+class GrammarTooLarge(GrammarError):
+    """More rules or alternatives than llguidance takes: llama.cpp would parse it; we refuse it by name."""
+
+
 def _is_digit(c: int) -> bool:
     return 0x30 <= c <= 0x39
 
@@ -45,6 +62,7 @@ class _Parser:
         self.symbol_ids: dict[str, int] = {}
         self.rules: list[list[tuple[int, int]]] = []
         self.depth = 0  # groups open at this point of the parse
+        self.defined = 0  # rules the text defines (`name ::= ...`), not the ones groups make
 
     def at(self, i: int) -> int:
         return self.s[i] if i < len(self.s) else 0
@@ -292,6 +310,7 @@ class _Parser:
         end = self.name(i)
         name = self.s[i:end].decode()
         rule_id = self.symbol(name)
+        self.defined += 1
         i = self.space(end, False)
         if self.s[i:i + 3] != b"::=":
             raise GrammarError(f"expecting ::= at {self.rest(i)}")
@@ -311,6 +330,24 @@ def parse_gbnf(text: str, root: str = "root",
 
     `tokenize(text)` resolves `<token>` elements (parse_special, no BOS); without it they are refused.
     """
+    p = _parse(text, root, tokenize)
+    _check_left_recursion(p.rules)
+    return p.rules, p.symbol_ids
+
+
+def check_llguidance_size(text: str) -> None:
+    """`GrammarTooLarge` for a grammar (one `parse_gbnf` takes) past what llguidance takes."""
+    p = _parse(text, "root", None)
+    if p.defined > MAX_RULES:
+        raise GrammarTooLarge(f"{p.defined} rules, more than {MAX_RULES}")
+    for rule in p.rules:  # a group's alternatives are a rule of their own here, as in llguidance's grammar
+        alternatives = 1 + sum(1 for kind, _ in rule if kind == ALT)
+        if alternatives > MAX_ALTERNATIVES:
+            raise GrammarTooLarge(f"a rule of {alternatives} alternatives, more than {MAX_ALTERNATIVES} (llguidance's "
+                                  f"parser holds {MAX_ITEMS_IN_ROW} items at a position)")
+
+
+def _parse(text: str, root: str, tokenize: Callable[[str], list[int]] | None) -> _Parser:
     p = _Parser(text.encode("utf-8", "surrogatepass"), tokenize)
     i = p.space(0, True)
     try:
@@ -329,8 +366,7 @@ def parse_gbnf(text: str, root: str = "root",
         raise GrammarError("the grammar is empty")
     if root not in p.symbol_ids:
         raise GrammarError(f"grammar does not contain a '{root}' symbol")
-    _check_left_recursion(p.rules)
-    return p.rules, p.symbol_ids
+    return p
 
 
 def _check_left_recursion(rules: list[list[tuple[int, int]]]) -> None:

@@ -3,7 +3,9 @@
 - `parse_body(body)`: the body as llama-server's JSON library (nlohmann::json) reads it: NaN and
   Infinity are not JSON, nor is a lone surrogate (400, nlohmann's parse_error.101 message with its
   line and column); an integer past 64 bits is a double; a float literal a double would change keeps
-  its text (`RawNumber`, gateway/http/json_values.py).
+  its text (`RawNumber`, gateway/http/json_values.py); arrays and objects nested deeper than
+  MAX_BODY_DEPTH are a 400 (nlohmann has no bound; ours keeps every recursive reader of a body, the
+  schemas', the template's, the receipt's, within Python's stack).
 - `parse_json_body(body)`: plain JSON, refused as "body is not JSON" (the P0 gateway's reading).
 """
 
@@ -14,7 +16,11 @@ import re
 from typing import Any
 
 from bankml.errors import InvalidRequest
-from gateway.http.json_values import RawNumber, exact_float
+from gateway.http.json_values import RawNumber, exact_float, nesting
+
+# arrays and objects nested in a body: a tool's parameters sit 4 deep and a schema may nest 64
+# (gateway/serving/constraints.py, MAX_SCHEMA_DEPTH), so a real request stays far below
+MAX_BODY_DEPTH = 128
 
 
 def _reject_constant(name: str) -> Any:
@@ -39,7 +45,18 @@ def parse_body(body: bytes) -> Any:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise InvalidRequest(f"[json.exception.parse_error.101] parse error: {e}") from None
     _refuse_lone_surrogates(body)
+    check_depth(body, value)
     return value
+
+
+def check_depth(body: bytes, value: Any) -> None:
+    """A 400 for a body nested deeper than MAX_BODY_DEPTH. A body with fewer brackets than that cannot
+    be (one count at C speed); else one walk of its arrays and objects."""
+    if body.count(b"[") + body.count(b"{") <= MAX_BODY_DEPTH:
+        return
+    if nesting(value, MAX_BODY_DEPTH)[0] > MAX_BODY_DEPTH:
+        raise InvalidRequest(f"the request body nests arrays and objects deeper than {MAX_BODY_DEPTH} levels "
+                             "(bankml serve's bound)")
 
 
 def _parse_error(line: int, column: int, why: str) -> InvalidRequest:

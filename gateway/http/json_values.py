@@ -7,7 +7,8 @@ string a JSON string; anything else is `[json.exception.type_error.302] type mus
 null or wrongly typed value gives the default. `dump` writes a value as nlohmann's `dump()` does
 (compact, key order kept, UTF-8 as is), for messages that quote part of a request. A number literal
 a float would change is read as a `RawNumber` (`exact_float`, gateway/http/body.py), so a schema's
-bounds reach the grammar as the request wrote them (gateway/serving/constraints.py, `exact_json`).
+bounds reach the grammar as the request wrote them (gateway/serving/constraints.py, `exact_json`). `nesting` measures a value's depth and size in one walk
+without recursion, so a hostile body or schema is refused before anything recursive reads it.
 """
 
 from __future__ import annotations
@@ -141,3 +142,26 @@ def dump(v: Any) -> str:
 def to_string(x: int | float) -> str:
     """std::to_string: integers in decimal, floats as "%f"."""
     return f"{x:f}" if isinstance(x, float) else str(x)
+
+
+def nesting(value: Any, max_depth: int, max_nodes: int | None = None) -> tuple[int, int]:
+    """(depth, nodes) of a JSON value: arrays and objects nested (a scalar is depth 0) and every value
+    counted once (with `max_nodes`; else only the containers). Walked with an explicit stack, each value
+    once; it stops as soon as either passes its bound, so the numbers then only say which one did."""
+    if not isinstance(value, list | dict):
+        return 0, 1
+    depth = nodes = 0
+    stack = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        nodes += 1
+        depth = max(depth, d)
+        if depth > max_depth:
+            break
+        children = v.values() if isinstance(v, dict) else v
+        if max_nodes is not None:
+            nodes += len(v) - sum(1 for c in children if isinstance(c, list | dict))  # the scalars in it
+            if nodes > max_nodes:
+                break
+        stack.extend((c, d + 1) for c in children if isinstance(c, list | dict))
+    return depth, nodes

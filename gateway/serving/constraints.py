@@ -7,8 +7,15 @@ per sequence before any model work (model/constraint.py).
 - Exact numbers: body.parse_body keeps every number literal a float would change as a `RawNumber`
   (gateway/http/json_values.py), and `exact_json` writes it back, so `"maximum": 0.1` or `1e400` reaches
   llguidance as the request wrote it.
+- Bounds first: every schema a request hands us (response_format's, `json_schema`, Ollama's `format`, each
+  tool's parameters) is measured in one walk without recursion (`check_schema`: MAX_SCHEMA_DEPTH arrays
+  and objects nested, MAX_SCHEMA_NODES values) before anything recursive reads it; `logit_bias` is
+  bounded when it is read. Past a bound is a 400 naming the field and the bound.
 - `attach_constraints`: compiled off the loop, one Constraint per sequence (`.copy()` for the others), or
   a 400 with llguidance's reason; string keys of `logit_bias` are tokenized here too, as llama-server does.
+  Both run on a small pool of their own (PREPARE_THREADS), so requests that were left cannot take every
+  worker thread, and work a departed client queued there never starts. llguidance's compile cannot be
+  interrupted once started: the bounds are what keep it short.
 - `prebuild_tokenizer`: llguidance's tokenizer is built in the background when a model loads, so only a
   constrained request that comes before the build is done waits for it.
 """
@@ -20,14 +27,36 @@ import json
 import math
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported
-from gateway.http.json_values import RawNumber
+from gateway.http.json_values import RawNumber, nesting
 from model import constraint as mc
 
 MAX_SCHEMA_CHARS = 1 << 16  # a JSON schema whose text is longer is refused before it is compiled
+# OpenAI's structured outputs take up to 10 levels of object nesting and 5,000 properties in all
+# (platform.openai.com/docs/guides/structured-outputs, "Supported schemas"); an object level is two
+# here (the schema and its `properties`), so 64 and 25,000 values leave room above both
+MAX_SCHEMA_DEPTH = 64  # arrays and objects nested in one schema
+MAX_SCHEMA_NODES = 25_000  # values (objects, arrays, scalars) in a request's schemas together
+MAX_BIAS_ENTRIES = 1 << 18  # logit_bias entries: the largest vocabularies (Gemma 3's 262,144 tokens)
+MAX_BIAS_KEY_CHARS = 1 << 10  # a logit_bias string, tokenized: a word or phrase, not a document
+PREPARE_THREADS = 2  # grammars compiled and logit_bias strings tokenized at once
+
+
+def check_schema(field: str, schema: Any, max_nodes: int = MAX_SCHEMA_NODES) -> int:
+    """A 400 naming `field` for a schema nested deeper than MAX_SCHEMA_DEPTH or holding more than
+    `max_nodes` values; else its number of values (what is left of a shared budget is the caller's)."""
+    depth, nodes = nesting(schema, MAX_SCHEMA_DEPTH, max_nodes)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise NotSupported(f"'{field}' is not supported by bankml serve --native: a schema nested deeper than "
+                           f"{MAX_SCHEMA_DEPTH} levels (arrays and objects)")
+    if nodes > max_nodes:
+        raise NotSupported(f"'{field}' is not supported by bankml serve --native: schemas of more than "
+                           f"{MAX_SCHEMA_NODES} values in all")
+    return nodes
 
 
 def exact_json(value: Any) -> str:
@@ -43,12 +72,14 @@ def exact_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def schema_grammar(schema: Any) -> str:
+def schema_grammar(schema: Any, field: str = "json_schema") -> str:
+    """llguidance's grammar for the schema a request's `field` holds, bounded first."""
     if isinstance(schema, dict) and not schema:
         return mc.json_schema_grammar("{}")
+    check_schema(field, schema)
     text = exact_json(schema)
     if len(text) > MAX_SCHEMA_CHARS:
-        raise NotSupported(f"'json_schema' is not supported by bankml serve --native: more than "
+        raise NotSupported(f"'{field}' is not supported by bankml serve --native: more than "
                            f"{MAX_SCHEMA_CHARS} characters")
     return _rejected_is_400(mc.json_schema_grammar, text)
 
@@ -58,6 +89,8 @@ def _rejected_is_400(build, *args) -> str:
         return build(*args)
     except mc.GrammarRejected as e:
         raise InvalidRequest(f"Failed to initialize samplers: {e}") from None
+    except RecursionError:  # the bounds keep every schema within Python's stack; never a 500 if one does not
+        raise InvalidRequest("Failed to initialize samplers: the schema is nested too deeply") from None
 
 
 def fields_grammar(p: dict) -> str | None:
@@ -80,9 +113,10 @@ def chat_grammar(p: dict, request: dict) -> str | None:
         kind = rf.get("type")
         if kind == "json_object":
             schema = rf.get("schema")
-            return schema_grammar(schema) if isinstance(schema, dict) else mc.json_object_grammar()
+            return schema_grammar(schema, "response_format") if isinstance(schema, dict) else \
+                mc.json_object_grammar()
         if kind == "json_schema":
-            return schema_grammar(_json_schema_of(rf))
+            return schema_grammar(_json_schema_of(rf), "response_format")
     return fields_grammar(p)
 
 
@@ -114,10 +148,11 @@ def ollama_format_grammar(fmt: Any) -> str | None:
         return None
     if fmt == "json":
         return mc.json_object_grammar()
+    check_schema("format", fmt)  # before exact_json, which recurses
     if not isinstance(fmt, dict):
         raw = exact_json(fmt)
         raise InvalidRequest(f"invalid format: {json.dumps(raw)}; expected \"json\" or a valid JSON Schema object")
-    return schema_grammar(fmt)
+    return schema_grammar(fmt, "format")
 
 
 # --- logit_bias ----------------------------------------------------------------------------------
@@ -125,7 +160,9 @@ def ollama_format_grammar(fmt: Any) -> str | None:
 
 def read_logit_bias(v: Any) -> tuple[tuple[int | str, float], ...]:
     """llama-server's logit_bias (params_from_json_cmpl): `[[token, bias], ...]` or `{"token": bias}`;
-    a token is an id or a string (tokenized later); `false` is -inf; a malformed entry is skipped."""
+    a token is an id or a string (tokenized later); `false` is -inf; a malformed entry is skipped.
+    Ours: more than MAX_BIAS_ENTRIES entries, or a string longer than MAX_BIAS_KEY_CHARS, is a 400
+    (llama-server tokenizes whatever it is given)."""
     def bias_of(b: Any) -> float | None:
         if b is False:
             return -math.inf
@@ -138,11 +175,17 @@ def read_logit_bias(v: Any) -> tuple[tuple[int | str, float], ...]:
         pairs = [(e[0], e[1]) for e in v if isinstance(e, list) and len(e) == 2]
     elif isinstance(v, dict):
         pairs = [(_key_token(k), b) for k, b in v.items()]
+    if len(pairs) > MAX_BIAS_ENTRIES:
+        raise NotSupported(f"'logit_bias' is not supported by bankml serve --native: more than {MAX_BIAS_ENTRIES} "
+                           f"entries ({len(pairs)})")
     out: list[tuple[int | str, float]] = []
     for tok, b in pairs:
         bias = bias_of(b)
         if bias is None or isinstance(tok, bool) or not isinstance(tok, int | str):
             continue
+        if isinstance(tok, str) and len(tok) > MAX_BIAS_KEY_CHARS:
+            raise NotSupported(f"'logit_bias' is not supported by bankml serve --native: a token string of more "
+                               f"than {MAX_BIAS_KEY_CHARS} characters ({len(tok)})")
         out.append((tok, bias))
     return tuple(out)
 
@@ -188,6 +231,9 @@ def prebuild_tokenizer(loaded) -> None:
     t.start()
 
 
+_PREPARE = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="constraints")
+
+
 def _compile(grammar: str, tokenizer, n: int) -> list:
     build = _BUILDS.get(tokenizer)
     if build is not None:
@@ -200,16 +246,26 @@ def _compile(grammar: str, tokenizer, n: int) -> list:
 
 
 async def attach_constraints(loaded, requests: list, grammar: str | None) -> None:
-    """Each request's own Constraint for `grammar` (None: none), and its logit_bias strings tokenized."""
+    """Each request's own Constraint for `grammar` (None: none), and its logit_bias strings tokenized,
+    both on the PREPARE_THREADS pool: a client that leaves while its work waits there cancels it
+    before it starts (asyncio cancels the pool's future), and what has started is bounded by the
+    request's bounds."""
     if grammar is None and not any(r.params.logit_bias for r in requests):
         return  # nothing to compile or resolve: an unconstrained request costs nothing here
     tokenizer = _tokenizer(loaded)
+    loop = asyncio.get_running_loop()
     if any(r.params.logit_bias for r in requests):
-        n_vocab = tokenizer.n_vocab
-        for r in requests:
-            r.params = replace(r.params, logit_bias=_resolve_bias(r.params.logit_bias, tokenizer, n_vocab))
+        biases = await loop.run_in_executor(_PREPARE, _resolve_all, [r.params.logit_bias for r in requests],
+                                            tokenizer)
+        for r, bias in zip(requests, biases, strict=True):
+            r.params = replace(r.params, logit_bias=bias)
     if grammar is None:
         return
-    built = await asyncio.to_thread(_compile, grammar, tokenizer, len(requests))
+    built = await loop.run_in_executor(_PREPARE, _compile, grammar, tokenizer, len(requests))
     for r, c in zip(requests, built, strict=True):
         r.constraint = c
+
+
+def _resolve_all(biases: list, tokenizer) -> list:
+    n_vocab = tokenizer.n_vocab
+    return [_resolve_bias(b, tokenizer, n_vocab) for b in biases]

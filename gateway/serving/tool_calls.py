@@ -9,7 +9,8 @@ written back in that JSON, which a template without tools would drop). Unlike ll
 the model writes no call `id`: a small model spends up to 64 tokens on each; every id is ours.
 
 A call's arguments are constrained to its function's parameters, each object `closed` (OpenAI's strict
-mode). A required call is constrained in every format, so it always parses; under `auto` only the generic
+mode). The parameters are bounded when they are read (`read_tools`: constraints.check_schema, the tools'
+values counted together), and every walk over them visits each value once. A required call is constrained in every format, so it always parses; under `auto` only the generic
 format constrains, and a hermes/llama3 answer that does not parse stays content. `parallel_tool_calls`
 defaults to false, as llama-server reads it. The receipt's `response_sha256` covers the model's text as
 generated, before content and calls are parsed out of it.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported
+from gateway.serving.constraints import MAX_SCHEMA_NODES, check_schema, exact_json
 from model import constraint as mc
 
 GENERIC_SYSTEM = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
@@ -69,7 +71,8 @@ def read_tools(body: dict) -> Tools | None:
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"Failed to parse tools: at most {MAX_TOOLS} tools, got {len(tools)}")
     functions = []
-    for t in tools:
+    budget = MAX_SCHEMA_NODES  # the tools' schemas make one grammar: their values count together
+    for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
             raise InvalidRequest(f"Failed to parse tools: a tool must be {{\"type\": \"function\", \"function\": "
@@ -80,6 +83,7 @@ def read_tools(body: dict) -> Tools | None:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequest(f"Failed to parse tools: function '{name}': 'parameters' must be an object")
+        budget -= check_schema(f"tools[{i}].function.parameters", params, budget)
         f = {"name": name, "parameters": params}
         if isinstance(fn.get("description"), str):
             f["description"] = fn["description"]
@@ -139,6 +143,15 @@ def plan(tools: Tools | None, messages: list[dict], template: str | None,
     the generic format's `response` takes."""
     if tools is None or not tools.active:
         return None
+    if response_schema is not None:
+        check_schema("response_format", response_schema)  # read with the body already; cheap to be sure
+    try:
+        return _plan(tools, messages, template, response_schema)
+    except RecursionError:  # the bounds keep every schema within Python's stack; never a 500 if one does not
+        raise InvalidRequest("Failed to parse tools: the tools' schemas are nested too deeply") from None
+
+
+def _plan(tools: Tools, messages: list[dict], template: str | None, response_schema: Any) -> ToolPlan:
     fmt = tool_format(template)
     if fmt == "generic":
         msgs = _generic_history(messages, tools.parallel)
@@ -217,22 +230,30 @@ def _add_system(messages: list[dict], text: str) -> list[dict]:
 # --- grammars -------------------------------------------------------------------------------------------
 
 
+_VALUES = ("const", "enum", "default", "examples")  # data, not schemas: kept as they are
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+
+
 def closed(schema: Any) -> Any:
     """A parameters schema whose objects take only the properties they declare: an object schema with
     `properties` and no `additionalProperties` (or `patternProperties`) gets `additionalProperties: false`,
-    as OpenAI's strict mode asks, so a call never carries an argument its function does not know."""
+    as OpenAI's strict mode asks, so a call never carries an argument its function does not know.
+    Each value is visited once (the schema is bounded by `read_tools`, so the recursion is too)."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (closed(v) if k not in ("const", "enum", "default", "examples") else v) for k, v in schema.items()}
-    for key in ("$defs", "definitions"):  # name -> schema maps, like properties
-        if isinstance(schema.get(key), dict):
-            out[key] = {k: closed(v) for k, v in schema[key].items()}
-    if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
-        if "additionalProperties" not in schema and "patternProperties" not in schema:
-            out["additionalProperties"] = False
+    out = {}
+    for k, v in schema.items():
+        if k in _VALUES:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed(s) for name, s in v.items()}
+        else:
+            out[k] = closed(v)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        out["additionalProperties"] = False
     return out
 
 
@@ -274,12 +295,11 @@ def _compiled(build, *args) -> str:
 
 
 def _generic_grammar(tools: Tools, response_schema: Any) -> str:
-    from gateway.serving.constraints import exact_json  # the schemas' numbers as the request wrote them
+    # exact_json: the schemas' numbers as the request wrote them
     return _compiled(mc.json_schema_grammar, exact_json(generic_schema(tools, response_schema)))
 
 
 def _lark_json(schema: dict) -> str:
-    from gateway.serving.constraints import exact_json
     return "%json " + exact_json({**schema, "x-guidance": mc.JSON_OPTIONS})
 
 
