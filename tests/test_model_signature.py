@@ -354,6 +354,19 @@ def test_a_registry_model_whose_signature_fails_is_refused_like_a_failed_pin(tmp
         res.stop_all()
 
 
+def test_create_from_a_signed_base_verifies_its_signature(tmp_path, capsys):
+    reg = tmp_path / "forks"
+    base, fork, _ = signed_model(reg, capsys, "Base.Q8_0.gguf")
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text("FROM base.q8_0\nSYSTEM be brief\n")
+    code, out, err = run(capsys, "create", "brief", "-f", str(modelfile), "--registry", str(reg))
+    assert (code, out.splitlines()[-1]) == (0, "success"), out + err
+    flip_last_byte(base)
+    repin(base, fork)
+    code, out, err = run(capsys, "create", "brief2", "-f", str(modelfile), "--registry", str(reg))
+    assert code == 2 and "refuse: Base.Q8_0.gguf: the signature Base.Q8_0.gguf.sig signs sha256 " in err
+
+
 def test_receipts_carry_the_signer_under_their_signature_and_old_ones_still_verify(tmp_path):
     key = signing.ReceiptKey(signing.Ed25519PrivateKey.generate(), str(tmp_path / "k.pem"))
     plain = Verified(model_sha256="ab" * 32, arch="llama", name="tiny")

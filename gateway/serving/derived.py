@@ -406,7 +406,7 @@ def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, 
     fork = _fork_name(registry, pin)
     yield f"verifying {pin.file_name} (the guard, then its sha256 against {fork})"
     try:
-        gated = gate_model(pin.path, pin.fork_text, getattr(registry, "rule_set", "mainline"))
+        gated = gate_model(pin.path, pin.fork_text, getattr(registry, "rule_set", "mainline"), pin.fork_path)
     except BankmlError as e:
         raise InvalidRequest(f"FROM {parsed.from_}: refuse: {e.message}") from e
     sha = gated.verified.model_sha256
