@@ -55,7 +55,7 @@ from model.runner import Runner, empty_history
 from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.score import Scored, Scorer
-from model.slot_file import SlotResult
+from model.slot_file import Expect, Slot
 from model.tokenizer_gguf import gguf_fields
 from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, load_weights, matrix_types
 
@@ -314,11 +314,14 @@ class Engine:
 
     # --- slot files (model/slots.py) -----------------------------------------------------------------
 
-    def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        return slots.save(self.scheduler, self.runner, slot, path, model_sha256)
+    def slot_expect(self, model_sha256: str) -> Expect:
+        return slots.expect(self.runner, model_sha256)
 
-    def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        return slots.restore(self.scheduler, self.runner, slot, path, model_sha256)
+    def save_slot(self, slot: int) -> Slot:
+        return slots.snapshot(self.scheduler, self.runner, slot)
+
+    def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        return slots.install(self.scheduler, self.runner, slot, restored)
 
     def erase_slot(self, slot: int) -> int:
         return slots.erase(self.scheduler, slot)

@@ -1,26 +1,28 @@
-"""llama-server's slot actions on the paged engine: save a slot's K/V to a file, restore one, erase one.
+"""llama-server's slot actions on the paged engine: a slot's K/V to the host, back into the pool, or forgotten.
 
 A slot's K/V are not its own here: a finished sequence leaves its full pages in the shared prefix
 cache (model/pages.py) and its slot remembers its tokens (`Scheduler.kept`). So:
 
-- **save** holds the pages of those tokens (computing, as a prompt would, whatever the cache has
-  evicted since, and the last part-filled page, which no cache keeps), copies them to the host and
-  writes the slot file (model/slot_file.py): n_saved = the slot's tokens, prompt + answer - 1;
-- **restore** reads and checks the file, writes its K/V into pages taken from the pool and publishes
-  the full ones in the prefix cache: the next prompt that begins with those tokens computes only
-  what follows, whichever slot it runs in, as if the conversation had never left. A file that fails
-  any check is refused with the reason, and the slot is emptied;
+- **snapshot** (a save) holds the pages of those tokens (computing, as a prompt would, whatever the
+  cache has evicted since, and the last part-filled page, which no cache keeps) and copies them to
+  the host: the slot's tokens, prompt + answer - 1;
+- **install** (a restore) writes a slot file's K/V into pages taken from the pool and publishes the
+  full ones in the prefix cache: the next prompt that begins with those tokens computes only what
+  follows, whichever slot it runs in, as if the conversation had never left (llama-server's clients
+  restore into one slot and continue in another). Only a file whose MAC this server's key checked
+  comes here (model/slot_file.py: the gateway decodes it first), so its K/V are pages this server
+  computed for those tokens of this model, as fit for other clients as the ones it computes now.
+  `None` (a file that was refused) empties the slot;
 - **erase** forgets the slot's tokens and their pages in the cache (n_erased).
 
-All run on the engine thread, between iterations; a slot a sequence is running in is `SlotBusy`. They
-take the scheduler (the slots, their tokens and the pages) and the runner's `SlotKV` side (the pool's
-pages to and from the host), nothing else of the engine.
+All run on the engine thread, between iterations, and touch no file: the gateway reads, checks and
+writes slot files on a worker thread (a slow or hostile file system never stalls the decode loop).
+A slot a sequence is running in is `SlotBusy`. They take the scheduler (the slots, their tokens and
+the pages) and the runner's `SlotKV` side (the pool's pages to and from the host), nothing else.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -29,7 +31,7 @@ import numpy as np
 from model import slot_file
 from model.config import Config
 from model.scheduler import Scheduler
-from model.slot_file import Expect, Slot, SlotBusy, SlotFileError, SlotResult, SlotSaveFailed
+from model.slot_file import Expect, Slot, SlotBusy, SlotFileError
 
 
 class SlotKV(Protocol):
@@ -60,49 +62,45 @@ def _idle(sched: Scheduler, slot: int) -> None:
         raise SlotBusy(slot)
 
 
-def save(sched: Scheduler, kv: SlotKV, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotResult:
-    t0 = time.perf_counter()
+def snapshot(sched: Scheduler, kv: SlotKV, slot: int) -> Slot:
+    """The slot's tokens and their K/V on the host. SlotFileError when the pool has no pages to
+    compute what the cache evicted in."""
     _idle(sched, slot)
-    try:
-        want = expect(kv, model_sha256)
-    except SlotFileError as e:
-        raise SlotSaveFailed(str(e)) from None
     tokens = list(sched.kept[slot] or [])
     hold = sched.hold_kv(tokens)
     if hold is None:
-        raise SlotSaveFailed("no free KV pages to compute the slot's cache in")
+        raise SlotFileError("no free KV pages to compute the slot's cache in")
     try:
         cells = kv.pages_to_host(hold.pages, len(tokens))
     finally:
         sched.release_kv(tokens, hold.pages)
-    data = slot_file.encode(Slot(np.asarray(tokens, np.int64), *cells), want)
-    try:
-        slot_file.write(path, data)
-    except OSError as e:
-        raise SlotSaveFailed(f"the file cannot be written: {e.strerror or e}") from None
-    return SlotResult(len(tokens), len(data), (time.perf_counter() - t0) * 1e3)
+    return Slot(np.asarray(tokens, np.int64), *cells)
 
 
-def restore(sched: Scheduler, kv: SlotKV, slot: int, path: str | os.PathLike, model_sha256: str) -> SlotResult:
-    """SlotFileError (the slot emptied) when the file cannot be restored."""
-    t0 = time.perf_counter()
+def install(sched: Scheduler, kv: SlotKV, slot: int, restored: Slot | None) -> int:
+    """`restored` (decoded, its MAC checked) as the slot's tokens and their pages; how many tokens.
+    None empties the slot, and so does a file the pool has no room for (SlotFileError)."""
     _idle(sched, slot)
-    try:
-        want = expect(kv, model_sha256)
-        data = slot_file.read(path, want)
-        restored = slot_file.decode(data, want)
-        tokens = [int(t) for t in restored.tokens]
-        pages = sched.take_kv(len(tokens))
-        if pages is None:
-            raise SlotFileError("no available space in the KV cache")
-    except SlotFileError:
-        sched.keep(slot, None if sched.kept[slot] is None else [])
-        raise
+    if restored is None:
+        _empty(sched, slot)
+        return 0
+    tokens = [int(t) for t in restored.tokens]
+    if restored.cache_type != kv.cache_type:  # decoded for another engine
+        _empty(sched, slot)
+        raise SlotFileError(f"the file holds {restored.cache_type} K/V, this server {kv.cache_type}")
+    pages = sched.take_kv(len(tokens))
+    if pages is None:
+        _empty(sched, slot)
+        raise SlotFileError("no available space in the KV cache")
     if tokens:
         kv.pages_from_host(pages, restored.arrays)
     sched.release_kv(tokens, pages)
     sched.keep(slot, tokens)
-    return SlotResult(len(tokens), len(data), (time.perf_counter() - t0) * 1e3)
+    return len(tokens)
+
+
+def _empty(sched: Scheduler, slot: int) -> None:
+    sched.keep(slot, None if sched.kept[slot] is None else [])
 
 
 def erase(sched: Scheduler, slot: int) -> int:

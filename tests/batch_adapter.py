@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from model.engine_thread import _why
 from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SamplingParams, StepOutput
-from model.slot_file import SlotFileError, SlotResult, SlotSaveFailed
+from model.slot_file import Expect, Slot, SlotFileError
 
 NO_KV_CACHE = "the fake engine keeps no KV cache"
 
@@ -131,6 +131,8 @@ class GeneratorBatch:
 
     # --- the rest of the handle's ServedEngine --------------------------------------------------------
 
+    cache_type = "f16"  # what /slots says its pages would hold
+
     @property
     def scheduler(self) -> GeneratorBatch:
         return self  # its own scheduler: a slot is a running generation's place, in admission order
@@ -156,10 +158,15 @@ class GeneratorBatch:
     def prompt_logprobs(self, tokens: Sequence[int], n_probs: int = 0) -> list:
         return [FakeScored(0.0, [(int(t), 0.0)][:n_probs]) for t in tokens[1:]]  # certain of every token
 
-    def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        raise SlotSaveFailed(NO_KV_CACHE)
+    def slot_expect(self, model_sha256: str) -> Expect:
+        raise SlotFileError(NO_KV_CACHE)
 
-    def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
+    def save_slot(self, slot: int) -> Slot:
+        raise SlotFileError(NO_KV_CACHE)
+
+    def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        if restored is None:
+            return 0  # emptied: it held nothing
         raise SlotFileError(NO_KV_CACHE)
 
     def erase_slot(self, slot: int) -> int:

@@ -18,12 +18,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import numpy as np
 from batch_adapter import FakeTokenizer as FakeTokenizer  # re-exported: the tests' byte tokenizer
 from batch_adapter import GeneratorBatch
 from batch_adapter import fake_embedding as fake_embedding  # re-exported: the vectors the fake embeds
 
 from model.messages import EngineStats, FinishReason, SamplingParams, SequenceState, StepOutput
+from model.slot_file import Expect, Slot, SlotBusy
 
+SLOT_LAYOUT = (1, 32, "f16", 1 << 16)  # the fake's slot files: n_layers, width, cache type, n_vocab
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
 REPLY = "".join(REPLY_PIECES)
 
@@ -33,8 +36,9 @@ class EngineDeath(BaseException):
 
 
 class FakeEngine(GeneratorBatch):
-    """The rest of the engine's surface (embeddings, slot files, a prompt's logprobs...) is
-    GeneratorBatch's (tests/batch_adapter.py)."""
+    """The rest of the engine's surface (embeddings, a prompt's logprobs...) is GeneratorBatch's
+    (tests/batch_adapter.py). Its slots keep what a restore gave them, in a tiny layout (`SLOT_LAYOUT`:
+    one layer of width 32, f16), so the slot route's file handling runs against it."""
 
     def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1, size_bytes: int = 1 << 20):
         super().__init__()
@@ -42,9 +46,31 @@ class FakeEngine(GeneratorBatch):
         self.step_s = step_s
         self.max_seqs = max_seqs
         self.size_bytes = size_bytes
+        self._kept: dict[int, Slot] = {}  # what a restore put in each slot
 
     def memory_bytes(self) -> int:
         return self.size_bytes
+
+    def slot_expect(self, model_sha256: str) -> Expect:
+        return Expect(model_sha256, self.n_ctx, *SLOT_LAYOUT)
+
+    def save_slot(self, slot: int) -> Slot:
+        if self.slot_busy(slot):
+            raise SlotBusy(slot)
+        width = SLOT_LAYOUT[1]
+        return self._kept.get(slot) or Slot(np.zeros(0, np.int64), *(np.zeros((1, 0, width), np.float16),) * 2)
+
+    def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        if self.slot_busy(slot):
+            raise SlotBusy(slot)
+        self._kept.pop(slot, None)
+        if restored is not None:
+            self._kept[slot] = restored
+        return 0 if restored is None else len(restored.tokens)
+
+    def erase_slot(self, slot: int) -> int:
+        kept = self._kept.pop(slot, None)
+        return 0 if kept is None else len(kept.tokens)
 
     def stats(self) -> EngineStats:
         """The adapter's counts, and one SequenceState per slot as the scheduler gives them (a
@@ -53,7 +79,9 @@ class FakeEngine(GeneratorBatch):
         states = []
         for slot in range(self.max_seqs):
             if slot >= len(running):
-                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx))
+                kept = self._kept.get(slot)
+                states.append(SequenceState(id=slot, id_task=-1, is_processing=False, n_ctx=self.n_ctx,
+                                            n_kept=None if kept is None else len(kept.tokens)))
                 continue
             task, (request, _, count) = running[slot]
             max_tokens = request.params.max_tokens
@@ -148,6 +176,9 @@ class StubHandle:
     def in_flight(self) -> tuple[int, int]:
         self._unexpected("in_flight")
 
+    def stalled_s(self) -> float:
+        return 0.0  # never wedged
+
     @property
     def max_seqs(self) -> int:
         return 1
@@ -174,14 +205,21 @@ class StubHandle:
     def slot_busy(self, slot: int) -> bool:
         self._unexpected("slot_busy")
 
-    async def save_slot(self, slot: int, path: str, model_sha256: str):
+    async def slot_expect(self, model_sha256: str):
+        self._unexpected("slot_expect")
+
+    async def save_slot(self, slot: int):
         self._unexpected("save_slot")
 
-    async def restore_slot(self, slot: int, path: str, model_sha256: str):
+    async def restore_slot(self, slot: int, restored):
         self._unexpected("restore_slot")
 
     async def erase_slot(self, slot: int) -> int:
         self._unexpected("erase_slot")
+
+    @property
+    def cache_type(self) -> str | None:
+        return "f16"
 
     def weights_report(self) -> dict | None:
         return None

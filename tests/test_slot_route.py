@@ -3,6 +3,8 @@ order, on the fake engine; a save and a restore across a restart of the real ser
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 
 import httpx
@@ -10,6 +12,7 @@ import pytest
 from gateway_helpers import CliServer, FakeServer, tiny_model
 
 from gateway.openai.slots import filename_ok
+from model import slot_file
 
 
 def post(server, path: str, body=None, upstream: bool = False) -> httpx.Response:
@@ -147,17 +150,37 @@ def test_a_conversation_restored_after_a_restart_continues_the_same(bankml_cmd, 
         data[200] ^= 0xFF
         (slots / "bad.bin").write_bytes(bytes(data))
         assert error(post(b, "/slots/1?action=restore", {"filename": "bad.bin"})) == (
-            400, "invalid_request_error", "Unable to restore slot: the file is damaged (its sha256 does not match)")
+            400, "invalid_request_error", "Unable to restore slot: 'bad.bin': the file is damaged, or was not "
+                                          "saved by this server (its MAC does not match)")
         assert _n_prompt_tokens(b, 1) == 0
         assert (slots / "bad.bin").read_bytes() == bytes(data)
         assert error(post(b, "/slots/1?action=restore", {"filename": "never.bin"}))[2] == (
-            "Unable to restore slot: the file does not exist")
+            "Unable to restore slot: 'never.bin': the file does not exist")
 
         # erase: the slot's tokens are forgotten, and their pages in the cache
         post(b, "/slots/1?action=restore", {"filename": "conv.bin"})
         r = post(b, "/slots/1?action=erase")
         assert r.json() == {"id_slot": 1, "n_erased": saved["n_saved"]}
         assert _n_prompt_tokens(b, 1) == 0
+
+        # forged K/V under the same tokens, sealed as anyone can (a recomputed sha256, the v1 format) or
+        # with another key: refused, and none of their pages reach the next client's identical prompt
+        for name, forged in _forgeries((slots / "conv.bin").read_bytes()).items():
+            (slots / name).write_bytes(forged)
+            status, _, message = error(post(b, "/slots/1?action=restore", {"filename": name}))
+            assert status == 400 and message.startswith(f"Unable to restore slot: '{name}': "), message
+            assert _n_prompt_tokens(b, 1) == 0
         assert _complete(b, follow_up, 0)["timings"]["cache_n"] == 0
     finally:
         b.stop()
+
+
+def _forgeries(good: bytes) -> dict[str, bytes]:
+    """`good` with its K/V changed (the tokens kept), resealed by someone without this server's key."""
+    head = len(slot_file.MAGIC) + 64 + 3 * 8 + 8  # the first layer's K
+    body = bytearray(good[:-32])
+    body[head:head + 64] = bytes(64)  # the first cells' K, zeroed
+    v1 = b"bankML slot v1\n" + bytes(body[len(slot_file.MAGIC):])
+    return {"forged-v1.bin": v1 + hashlib.sha256(v1).digest(),
+            "forged-sha.bin": bytes(body) + hashlib.sha256(bytes(body)).digest(),
+            "forged-key.bin": bytes(body) + hmac.new(b"another server", bytes(body), hashlib.sha256).digest()}

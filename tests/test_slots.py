@@ -1,10 +1,13 @@
 """Slot files on the paged engine (model/slots.py, model/slot_file.py), on a tiny random llama: a saved
 slot restored into a fresh engine continues exactly as the engine that never lost it, and every file
-that is not right for this engine is refused with its reason."""
+that is not right for this engine is refused with its reason. `save` and `restore` do what the route
+does (gateway/openai/slots.py): the engine's pages to and from the host, the file read and written
+beside it."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 import numpy as np
 import pytest
@@ -14,9 +17,29 @@ from model import slot_file
 from model.engine import Engine
 from model.messages import GenerateRequest, SamplingParams
 from model.slot_file import SlotBusy, SlotFileError
+from model.slots import expect
 
 SHA = hashlib.sha256(b"tiny").hexdigest()
 N_CTX = 256
+KEY = slot_file.mac_key(b"this server's secret")
+
+
+def save(engine: Engine, slot: int, path, sha256: str = SHA) -> tuple[int, int]:
+    """The slot saved to `path`: (tokens, bytes)."""
+    data = slot_file.encode(engine.save_slot(slot), engine.slot_expect(sha256), KEY)
+    slot_file.write(path.parent, path.name, data)
+    return len(slot_file.decode(data, engine.slot_expect(sha256), KEY).tokens), len(data)
+
+
+def restore(engine: Engine, slot: int, path, sha256: str = SHA) -> int:
+    """The file at `path` into the slot, its tokens; SlotFileError (the slot emptied) when it cannot be."""
+    want = engine.slot_expect(sha256)
+    try:
+        restored = slot_file.decode(slot_file.read(path.parent, path.name, want.max_bytes()), want, KEY)
+        return engine.restore_slot(slot, restored)
+    except SlotFileError:
+        engine.restore_slot(slot, None)
+        raise
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +83,9 @@ def test_a_restored_slot_continues_as_one_never_saved(path, path32, tmp_path, ca
     a = _engine(path, cache_type=cache_type)
     answer, last = _run(a, first, id_slot=1)
     assert last.id_slot == 1
-    saved = a.save_slot(1, str(tmp_path / "s.bin"), SHA)
-    assert saved.n_tokens == len(first) + len(answer) - 1  # the last sampled token is never computed
-    assert (tmp_path / "s.bin").stat().st_size == saved.n_bytes
+    n_saved, n_written = save(a, 1, tmp_path / "s.bin")
+    assert n_saved == len(first) + len(answer) - 1  # the last sampled token is never computed
+    assert (tmp_path / "s.bin").stat().st_size == n_written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin"]  # the temporary file was renamed
     assert (tmp_path / "s.bin").stat().st_mode & 0o777 == 0o600  # a conversation: its owner's only
 
@@ -70,14 +93,14 @@ def test_a_restored_slot_continues_as_one_never_saved(path, path32, tmp_path, ca
     want, want_last = _run(a, second)  # the engine that never lost its cache
 
     b = _engine(path, cache_type=cache_type)  # a restart: nothing cached
-    restored = b.restore_slot(0, str(tmp_path / "s.bin"), SHA)
-    assert restored.n_tokens == saved.n_tokens
-    assert b.stats().sequences[0].n_kept == saved.n_tokens
+    assert restore(b, 0, tmp_path / "s.bin") == n_saved
+    assert b.stats().sequences[0].n_kept == n_saved
     # saved again at once: the full pages come back bit for bit from the prefix cache (the part-filled
     # last one, which no cache keeps, is computed again)
-    b.save_slot(0, str(tmp_path / "again.bin"), SHA)
-    was, again = (slot_file.decode((tmp_path / n).read_bytes(), slots_expect(b)) for n in ("s.bin", "again.bin"))
-    full = saved.n_tokens // 16 * 16
+    save(b, 0, tmp_path / "again.bin")
+    was, again = (slot_file.decode((tmp_path / n).read_bytes(), expect(b.runner, SHA), KEY)
+                  for n in ("s.bin", "again.bin"))
+    full = n_saved // 16 * 16
     assert list(was.tokens) == list(again.tokens) and was.cache_type == cache_type
     for a_, b_ in ((was.k, again.k), (was.v, again.v), (was.k_scale, again.k_scale), (was.v_scale, again.v_scale)):
         assert (a_ is None and b_ is None) or np.array_equal(a_[:, :full], b_[:, :full])
@@ -93,20 +116,12 @@ def test_save_computes_what_the_cache_evicted(path, tmp_path):
     a = _engine(path, kv_cache_bytes=0)
     prompt = _prompt(40, seed=2)
     _run(a, prompt, id_slot=0)
-    a.save_slot(0, str(tmp_path / "hot.bin"), SHA)
+    hot = a.save_slot(0)
     a.scheduler.pool.clear()  # every cached page gone
-    a.save_slot(0, str(tmp_path / "cold.bin"), SHA)
-    hot = slot_file.decode((tmp_path / "hot.bin").read_bytes(), slots_expect(a))
-    cold = slot_file.decode((tmp_path / "cold.bin").read_bytes(), slots_expect(a))
+    cold = a.save_slot(0)
     assert list(hot.tokens) == list(cold.tokens)
     # computed by prefill instead of decode steps: the same values to f16 rounding
     np.testing.assert_allclose(hot.k.astype(np.float32), cold.k.astype(np.float32), atol=2e-2)
-
-
-def slots_expect(engine):
-    from model.slots import expect
-
-    return expect(engine.runner, SHA)
 
 
 def test_a_name_of_255_bytes_is_saved(path, tmp_path):
@@ -114,13 +129,13 @@ def test_a_name_of_255_bytes_is_saved(path, tmp_path):
     a = _engine(path)
     name = "é" * 127 + "a"
     assert len(name.encode()) == 255
-    a.save_slot(0, str(tmp_path / name), SHA)
+    save(a, 0, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
 def test_an_idle_slot_saves_empty_and_erase_forgets(path, tmp_path):
     a = _engine(path)
-    assert a.save_slot(1, str(tmp_path / "idle.bin"), SHA).n_tokens == 0
+    assert save(a, 1, tmp_path / "idle.bin")[0] == 0
     assert a.stats().sequences[1].n_kept is None  # saving did not make up a prompt for it
     assert a.erase_slot(1) == 0
 
@@ -138,24 +153,25 @@ def test_an_idle_slot_saves_empty_and_erase_forgets(path, tmp_path):
 def _refused(engine, tmp_path, data: bytes, why: str):
     (tmp_path / "bad.bin").write_bytes(data)
     with pytest.raises(SlotFileError, match=why):
-        engine.restore_slot(0, str(tmp_path / "bad.bin"), SHA)
+        restore(engine, 0, tmp_path / "bad.bin")
     assert engine.stats().sequences[0].n_kept in (None, 0)
 
 
 def _resealed(body: bytes) -> bytes:
-    return body + hashlib.sha256(body).digest()
+    """`body` sealed with this server's key: the checks behind the MAC, on a file it would pass."""
+    return body + hmac.new(KEY, body, hashlib.sha256).digest()
 
 
 def test_every_wrong_file_is_refused(path, path32, tmp_path):
     a = _engine(path)
     _run(a, _prompt(20, seed=4), id_slot=0)
-    a.save_slot(0, str(tmp_path / "good.bin"), SHA)
+    save(a, 0, tmp_path / "good.bin")
     good = (tmp_path / "good.bin").read_bytes()
     body = good[:-32]
     head = len(slot_file.MAGIC)
 
     with pytest.raises(SlotFileError, match="does not exist"):
-        a.restore_slot(0, str(tmp_path / "missing.bin"), SHA)
+        restore(a, 0, tmp_path / "missing.bin")
     assert a.stats().sequences[0].n_kept == 0  # a failed restore empties the slot
     _refused(a, tmp_path, b"hello" * 40, "not a bankML slot file")
     flipped = bytearray(good)
@@ -163,12 +179,12 @@ def test_every_wrong_file_is_refused(path, path32, tmp_path):
     _refused(a, tmp_path, bytes(flipped), "damaged")
     _refused(a, tmp_path, good[:16], "not a bankML slot file")
     with pytest.raises(SlotFileError, match="another model"):
-        a.restore_slot(0, str(tmp_path / "good.bin"), hashlib.sha256(b"other").hexdigest())
+        restore(a, 0, tmp_path / "good.bin", hashlib.sha256(b"other").hexdigest())
     wider = _engine(path, n_ctx=2 * N_CTX)
     with pytest.raises(SlotFileError, match="context of 256 tokens, this server has 512"):
-        wider.restore_slot(0, str(tmp_path / "good.bin"), SHA)
+        restore(wider, 0, tmp_path / "good.bin")
     with pytest.raises(SlotFileError, match="holds an f16 cache, this server q8_0"):
-        _engine(path32, cache_type="q8_0").restore_slot(0, str(tmp_path / "good.bin"), SHA)
+        restore(_engine(path32, cache_type="q8_0"), 0, tmp_path / "good.bin")
 
     def field(offset: int, value: int) -> bytes:
         return _resealed(body[:offset] + value.to_bytes(8, "little") + body[offset + 8:])
@@ -182,16 +198,16 @@ def test_every_wrong_file_is_refused(path, path32, tmp_path):
     _refused(a, tmp_path, _resealed(body + b"\0\0\0\0"), "trailing data")
     bad_token = body[:-4] + (10**6).to_bytes(4, "little")
     _refused(a, tmp_path, _resealed(bad_token), "Invalid tokens in slot save file")
-    _refused(a, tmp_path, good + b"x" * (slots_expect(a).max_bytes()), "more than a slot file")
+    _refused(a, tmp_path, good + b"x" * (expect(a.runner, SHA).max_bytes()), "more than a slot file")
     # the good one still restores after all that
-    assert a.restore_slot(0, str(tmp_path / "good.bin"), SHA).n_tokens == 20 + 5
+    assert restore(a, 0, tmp_path / "good.bin") == 20 + 5
 
 
 def test_a_busy_slot_is_not_touched(path, tmp_path):
     a = _engine(path)
     task = a.add(GenerateRequest(_prompt(30), SamplingParams(temperature=0.0, max_tokens=50), id_slot=1))
     a.iterate()
-    for action in (lambda: a.save_slot(1, str(tmp_path / "x.bin"), SHA), lambda: a.erase_slot(1)):
+    for action in (lambda: a.save_slot(1), lambda: a.restore_slot(1, None), lambda: a.erase_slot(1)):
         with pytest.raises(SlotBusy):
             action()
     a.cancel(task)

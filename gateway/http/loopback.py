@@ -8,7 +8,7 @@ The checks run in the Rust bankml's order (its serve.rs); the first that fails a
 3. the Origin rule and preflights (access.py) -> 204 or 403;
 4. any Transfer-Encoding -> 400 ("send Content-Length");
 5. a Content-Length that is not 1-19 ASCII digits -> 400, over 16 MiB -> 413;
-6. two Content-Types -> 400, a POST that is not application/json -> 415;
+6. two Content-Types -> 400, a POST with a body that is not application/json -> 415;
 7. over 32 open connections on a listener -> 503, decided at accept;
 8. API keys (access.py) -> 401, before the body is read.
 A refusal is written at once, then the client's bytes are drained (200 ms at most) before the close, so
@@ -240,7 +240,8 @@ def _check_head(head: Head, limits: Limits, access: Any, port: int) -> Refusal |
         return Refusal(413, TOO_LARGE, drain)
     if sum(k == "content-type" for k, _ in head.headers) > 1:  # which one would the handler believe?
         return Refusal(400, TWO_TYPES, drain)
-    if head.method == "POST" and not _JSON_TYPE.fullmatch(head.header("content-type") or ""):
+    # a POST with no body has no media type to refuse (POST /slots/{id}?action=erase takes none)
+    if head.method == "POST" and n and not _JSON_TYPE.fullmatch(head.header("content-type") or ""):
         return Refusal(415, NOT_JSON, drain)
     return access.key_refusal(head) if access is not None else None
 

@@ -3,7 +3,9 @@
 They name no model: they use the most recently used resident one, or verify and load the startup
 model (kept forever). `/health` (and `/v1/health`) and `/v1/models` never load; `/health` is 503 with
 the reason while the startup model is unusable (its file changed and does not verify again, or it
-failed to load) or the engine thread of the model it reports is gone, so a balancer routes away.
+failed to load), the engine thread of the model it reports is gone, or the server is wedged (a resident
+model's engine, or every worker thread, has had work waiting longer than `[limits] wedged_after_s`
+without completing any: gateway/http/liveness.py), so a balancer routes away.
 `/v1/models` lists every pin of the registry. `/tokenize` and `/detokenize` read their bodies as
 b11434 does (tokenize.py), `/props` is props.py's, `/apply-template` reads a chat body as
 /v1/chat/completions does. Reading the body, tokenizing and templating run off the event loop (a 16
@@ -30,6 +32,7 @@ from gateway.http.sanic_app import query_of, takes_query
 from gateway.openai.chat_request import openai_layer
 from gateway.openai.params_json import params_json
 from gateway.openai.props import props_json
+from gateway.openai.slots import model_named, slot_model
 from gateway.openai.tokenize import detokenize_body, tokenize_json
 from gateway.serving.registry import v1_models_data
 from gateway.serving.tool_calls import plan as tool_plan
@@ -52,6 +55,7 @@ async def health(request, state):
     unusable = res.unusable.get(state.registry.startup.name)
     if unusable is not None:
         raise ModelUnusable(unusable.message)
+    request.app.ctx.liveness.check(res.resident())  # Wedged: a 503 naming what does not move
     return json_response('{"status": "ok"}')
 
 
@@ -129,15 +133,18 @@ def refuse_template_changes(req: dict, messages: list[dict]) -> None:
 @takes_query
 async def slots(request, state):
     """llama-server's `GET /slots`; `?fail_on_no_slot=<anything>` makes it a 503 while no slot is idle
-    (tools/server: any non-empty value, its "no slot available" unavailable_error)."""
-    client = (await state.residency.current()).client
+    (tools/server: any non-empty value, its "no slot available" unavailable_error). `?model=` says
+    whose slots, required with several models loaded (slots.py `slot_model`); each slot also says its
+    `cache_type`, what its pages hold ([engine] cache_type, $BANKML_CACHE_TYPE)."""
+    query = query_of(request)
+    client = (await slot_model(state, model_named(None, query))).client  # gateway/openai/slots.py
     if client.failure is not None:
         raise EngineGone(f"the engine thread stopped: {client.failure}")
     stats = client.stats()
     sequences = stats.sequences if stats is not None else ()  # no engine has run: no slots yet
-    if any(query_of(request).get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
+    if any(query.get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
         raise Overloaded("no slot available")
-    return json_response(jstr.dumps([slot_json(s) for s in sequences]))
+    return json_response(jstr.dumps([{**slot_json(s), "cache_type": client.cache_type} for s in sequences]))
 
 
 def slot_json(seq: SequenceState) -> dict[str, Any]:

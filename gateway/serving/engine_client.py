@@ -25,7 +25,7 @@ from gateway.serving.engine_handle import Build, EmbeddingShape, EngineHandle, E
 from model import device_budget
 from model.engine_thread import EnergyMeter, EngineThread, Ticket
 from model.messages import EngineStats, GenerateRequest, StepOutput
-from model.slot_file import SlotResult
+from model.slot_file import Expect, Slot
 
 T = TypeVar("T")
 
@@ -145,6 +145,10 @@ class EngineClient:
         """The scheduler's last snapshot, or None: no engine has run, or the thread is gone."""
         return self._thread.stats()
 
+    def stalled_s(self) -> float:
+        """How long the engine thread has had work without completing a step or a job (0: idle or moving)."""
+        return self._thread.stalled_s()
+
     def in_flight(self) -> tuple[int, int]:
         return self._thread.in_flight()
 
@@ -194,11 +198,14 @@ class EngineClient:
     def slot_busy(self, slot: int) -> bool:
         return self._engine().scheduler.slot_busy(slot)
 
-    async def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        return await self._when_idle(slot, lambda: self._engine().save_slot(slot, path, model_sha256))
+    async def slot_expect(self, model_sha256: str) -> Expect:
+        return await self.call(lambda: self._engine().slot_expect(model_sha256))
 
-    async def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        return await self._when_idle(slot, lambda: self._engine().restore_slot(slot, path, model_sha256))
+    async def save_slot(self, slot: int) -> Slot:
+        return await self._when_idle(slot, lambda: self._engine().save_slot(slot))
+
+    async def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        return await self._when_idle(slot, lambda: self._engine().restore_slot(slot, restored))
 
     async def erase_slot(self, slot: int) -> int:
         return await self._when_idle(slot, lambda: self._engine().erase_slot(slot))
@@ -214,6 +221,11 @@ class EngineClient:
         return engine  # type: ignore[return-value]  (the thread's BatchEngine is the ServedEngine we installed)
 
     # --- reports -----------------------------------------------------------------------------------
+
+    @property
+    def cache_type(self) -> str | None:
+        engine = self._thread.engine
+        return str(engine.cache_type) if engine is not None else None  # type: ignore[union-attr]
 
     def weights_report(self) -> dict | None:
         engine = self._thread.engine

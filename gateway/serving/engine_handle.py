@@ -22,7 +22,7 @@ import numpy as np
 
 from model.engine_thread import BatchEngine, EnergyMeter
 from model.messages import EngineStats, GenerateRequest, StepOutput
-from model.slot_file import SlotResult
+from model.slot_file import Expect, Slot
 
 Outputs = AsyncIterable[StepOutput]  # one generation's outputs; the last has a finish_reason
 
@@ -81,6 +81,10 @@ class EngineHandle(Protocol):
     def in_flight(self) -> tuple[int, int]:
         """(running, waiting) generations; (0, 0) once the thread is gone."""
 
+    def stalled_s(self) -> float:
+        """How long the engine thread has had work without completing a step or a job: 0 while it is idle
+        or moving; /health's wedge check (gateway/http/liveness.py)."""
+
     @property
     def max_seqs(self) -> int:
         """The sequences the engine decodes at once ([engine] max_seqs, llama-server's n_parallel)."""
@@ -108,16 +112,25 @@ class EngineHandle(Protocol):
     def slot_busy(self, slot: int) -> bool:
         """A sequence holds the slot now (read on the engine thread: the slot actions wait for it)."""
 
-    async def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        """llama-server's slot save, once the slot is idle (model/slots.py)."""
+    async def slot_expect(self, model_sha256: str) -> Expect:
+        """What this engine's slot files hold (model/slots.py `expect`); SlotFileError: none can."""
 
-    async def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult:
-        """llama-server's slot restore, once the slot is idle."""
+    async def save_slot(self, slot: int) -> Slot:
+        """llama-server's slot save, once the slot is idle: its tokens and K/V on the host (the gateway
+        writes the file, off the engine thread)."""
+
+    async def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        """llama-server's slot restore, once the slot is idle: a file the gateway read and checked (its
+        MAC too) into the slot; None, for a file it refused, empties the slot. The tokens restored."""
 
     async def erase_slot(self, slot: int) -> int:
         """llama-server's slot erase, once the slot is idle; the tokens it held."""
 
     # --- reports -----------------------------------------------------------------------------------
+
+    @property
+    def cache_type(self) -> str | None:
+        """What the KV pool's pages hold ([engine] cache_type: "f16", "q8_0"); None without an engine."""
 
     def weights_report(self) -> dict | None:
         """The engine's report of its weights and kernels (GET /bankml "weights"); None: no engine, or
@@ -158,6 +171,7 @@ class ServedEngine(BatchEngine, Protocol):
     pooling: int
     n_embd: int
     n_vocab: int
+    cache_type: str  # the KV pool's
 
     def warmup(self) -> float:
         """Compile what a first answer needs; the seconds it took."""
@@ -175,8 +189,10 @@ class ServedEngine(BatchEngine, Protocol):
 
     def prompt_logprobs(self, tokens: Sequence[int], n_probs: int = 0) -> list: ...
 
-    def save_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult: ...
+    def slot_expect(self, model_sha256: str) -> Expect: ...
 
-    def restore_slot(self, slot: int, path: str, model_sha256: str) -> SlotResult: ...
+    def save_slot(self, slot: int) -> Slot: ...
+
+    def restore_slot(self, slot: int, restored: Slot | None) -> int: ...
 
     def erase_slot(self, slot: int) -> int: ...
