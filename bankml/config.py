@@ -68,6 +68,9 @@ class LimitsConfig:
     min_body_bytes_per_s: int = 1024  # 0: no minimum rate
     body_timeout_s: float = 60.0  # the whole request body, at whatever rate: else 408 (16 MiB takes ms here)
     max_upstream_body_bytes: int = 64 << 20  # P0: from llama-server, refused before it is buffered
+    # --native: /health is 503 once an engine, or every one of the loop's worker threads, has had work
+    # waiting this long without completing any (gateway/http/liveness.py); 200 again when it moves
+    wedged_after_s: float = 120.0
 
     @property
     def max_head_bytes(self) -> int:

@@ -20,9 +20,14 @@ energy, so the gateway's monitor never queues work here. `in_flight()` counts th
 running and waiting; `stats()` is the scheduler's last snapshot (`EngineStats`).
 
 Failures never hang a client: a request the engine refuses ends at once with `FinishReason.ERROR` and
-the reason; an exception inside an iteration ends every running request with it (the engine drops
-their sequences and serves the next ones); anything that kills the thread itself marks it failed, and
-every waiting and later job is answered with that reason at once.
+the reason; an exception inside an iteration ends every request that iteration touched with it (the
+engine drops their sequences, `reset`, and serves the next ones); a second failed iteration in a row
+(no iteration completed between them: the engine is broken, not one request) marks the thread failed,
+as anything that kills the thread itself does, and every waiting and later job is answered with that
+reason at once (the gateway's 503). Never a retry loop: at most two failures, each logged once.
+
+The thread is watched too: `stalled_s()` says how long it has had generations in flight without
+completing an iteration or a job, so /health can tell a wedged engine from a busy one.
 
 No sanic here, and no jax import at module level: the gateway imports this module, and JAX is only
 imported by the engine the loader builds.
@@ -82,6 +87,9 @@ class EngineThreadFailed(RuntimeError):
     """The engine thread is gone; the message says why."""
 
 
+FAILED_IN_A_ROW = 2  # failed iterations, none completed between them, that mark the engine failed
+
+
 Emit = Callable[[StepOutput], None]
 
 
@@ -133,7 +141,8 @@ class EngineThread:
     beyond those running; `submit` refuses one more with `Overloaded`.
     """
 
-    def __init__(self, name: str = "bankml-engine", max_waiting: int = 256):
+    def __init__(self, name: str = "bankml-engine", max_waiting: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders `failure` against enqueueing; guards the counts
         self.engine: BatchEngine | None = None
@@ -144,6 +153,11 @@ class EngineThread:
         self._pending = 0  # submitted, not yet handed to the engine
         self._deferred: list[_Call] = []  # calls waiting for their `ready` (thread only)
         self._stats: EngineStats | None = None
+        self._failed_in_a_row = 0  # iterations that raised since the last one that completed (thread only)
+        # the heartbeat: when the thread last completed something, and whether it sleeps for want of work
+        self._clock = clock
+        self._moved_s = clock()
+        self._idle = True
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -166,6 +180,7 @@ class EngineThread:
                     raise Overloaded(f"the server is busy: {waiting} requests are waiting for a sequence "
                                      f"([engine] max_waiting = {self.max_waiting}); try again shortly")
                 self._pending += len(made)
+                self._work_arrives_locked()
                 for job in made:
                     self._jobs.put(job)
         if failure is not None:
@@ -194,6 +209,29 @@ class EngineThread:
             stats = self._stats
             return (stats.running if stats is not None else 0), self._waiting_locked()
 
+    def stalled_s(self) -> float:
+        """How long the thread has had generations in flight (queued here, waiting for a sequence or
+        running) without completing an iteration or a job: 0 while none is, or while it sleeps for want
+        of work. A healthy thread stays within one iteration's (or one call's) time; /health compares
+        it with `[limits] wedged_after_s` (gateway/http/liveness.py)."""
+        with self._lock:
+            stats = self._stats
+            in_flight = self._pending + (stats.running + stats.waiting if stats is not None else 0)
+            if self._idle or self.failure is not None or in_flight == 0:
+                return 0.0
+            return max(0.0, self._clock() - self._moved_s)
+
+    def _work_arrives_locked(self) -> None:
+        # a thread asleep for want of work has not been stalled while it slept: the wait starts now
+        if self._idle:
+            self._moved_s = self._clock()
+
+    def _beat(self, idle: bool = False) -> None:
+        """The thread completed something (an iteration, a job), or is about to sleep for want of work."""
+        with self._lock:
+            self._moved_s = self._clock()
+            self._idle = idle
+
     def stats(self) -> EngineStats | None:
         """The scheduler's snapshot after its last iteration (None: no engine has run yet, or the thread
         is gone)."""
@@ -208,6 +246,7 @@ class EngineThread:
         with self._lock:
             failure = self.failure
             if failure is None:
+                self._work_arrives_locked()
                 self._jobs.put(_Call(fn, future, ready))
         if failure is not None:
             future.set_exception(EngineThreadFailed(failure))
@@ -243,7 +282,11 @@ class EngineThread:
                 busy = self._busy()
                 while True:  # everything queued now; when idle, wait for the next job
                     try:
-                        job = self._jobs.get_nowait() if busy else self._jobs.get()
+                        if busy:
+                            job = self._jobs.get_nowait()
+                        else:
+                            self._beat(idle=True)
+                            job = self._jobs.get()
                     except queue.Empty:
                         break
                     if job is _STOP:
@@ -257,6 +300,7 @@ class EngineThread:
                     else:
                         self._take(job)
                     job = None
+                    self._beat()
                     busy = self._busy()
                     if not busy:
                         break
@@ -264,7 +308,7 @@ class EngineThread:
                     self._iterate(self.engine)
                 self._run_ready()
         except BaseException as e:  # the thread is dying: answer everyone, never leave them waiting
-            why = _why(e)
+            why = str(e) if isinstance(e, EngineThreadFailed) else _why(e)
             log.error("the engine thread stopped: %s", why)
             with self._lock:
                 self.failure = why
@@ -325,14 +369,11 @@ class EngineThread:
         try:
             it = engine.iterate()
         except Exception as e:
-            log.exception("an engine iteration failed: its requests end with the error")
-            why = _why(e)
-            for task in engine.reset():
-                job = self._live.get(task)
-                if job is not None:
-                    self._finish(job, _error(job.request, why))
-            self._publish(engine)
+            self._beat()
+            self._failed(engine, e)
             return
+        self._beat()
+        self._failed_in_a_row = 0
         for task, at in it.admitted:
             job = self._live.get(task)
             if job is not None and job.started_s is None:
@@ -357,6 +398,23 @@ class EngineThread:
                                                         job.first_text_s, now)))
             else:
                 self._finish(job, out)
+
+    def _failed(self, engine: BatchEngine, e: Exception) -> None:
+        """An iteration raised: the requests it touched end with the error (the engine drops their
+        sequences; the ones it never reached wait on). The second failure in a row is the engine's, not
+        a request's: the thread stops (EngineThreadFailed, answered in `_run`), never retrying in a loop."""
+        why = _why(e)
+        self._failed_in_a_row += 1
+        log.error("an engine iteration failed (%d in a row): its requests end with the error", self._failed_in_a_row,
+                  exc_info=e)
+        dropped = engine.reset()
+        if self._failed_in_a_row >= FAILED_IN_A_ROW:
+            raise EngineThreadFailed(f"{why} (the engine failed {self._failed_in_a_row} iterations in a row)") from e
+        for task in dropped:
+            job = self._live.get(task)
+            if job is not None:
+                self._finish(job, _error(job.request, why))
+        self._publish(engine)
 
     def _finish(self, job: _Generate, out: StepOutput) -> None:
         """The job's last output, stamped with its timeline and, when it completed, its energy."""

@@ -153,6 +153,10 @@ class Scheduler:
         self._next_task = 0
         self.preemptions = 0
         self.iterations = 0
+        # what the running iteration touched, for `reset` after it raised: the sequences running when it
+        # began and those it admitted, and the head of the queue it was admitting
+        self._touched: list[Sequence] = []
+        self._admitting: Sequence | None = None
 
     # --- requests ----------------------------------------------------------------------------------
 
@@ -177,15 +181,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def reset(self) -> list[int]:
-        """After a failed iteration: drop the running sequences (returns their tasks) and every cached
-        page (the device's pool may hold anything now). The waiting ones stay queued, preempted ones
-        computed again from their tokens."""
-        dropped = [seq.task for seq in self.running]
-        for seq in list(self.running):
-            self._leave(seq)
+        """After a failed iteration: drop every sequence it touched (returns their tasks: their outputs
+        went with it) and every cached page (the device's pool may hold anything now). Touched: running
+        when it began or admitted by it (finished or preempted since, or not), and the head of the queue
+        it was admitting, which would only fail the next iteration the same way. The waiting ones it did
+        not reach stay queued, computed from their tokens."""
+        touched = [*self._touched, *self.running, *([self._admitting] if self._admitting is not None else [])]
+        dropped = []
+        for seq in dict.fromkeys(touched):  # each once, in order (a Sequence hashes by identity)
+            if seq in self.running:
+                self._leave(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            dropped.append(seq.task)
+        self._touched, self._admitting = [], None
         for seq in self.waiting:
             seq.n_computed = 0
         self.pool.clear()
+        # nothing runs now: every slot is free, one a failed admission had taken too
+        self._free_slots = list(range(self.max_seqs - 1, -1, -1))
         self.kept = [None if k is None else [] for k in self.kept]
         self._ahead = None
         return dropped
@@ -195,22 +209,26 @@ class Scheduler:
     def iterate(self) -> Iteration:
         it = Iteration()
         self.iterations += 1
+        self._touched = list(self.running)
         if self._ahead is not None and not self._decode_only():  # a request came: end the step in flight
             self._read(self._ahead, it)
             self._ahead = None
 
         # 1. admit, first come first served
         while self.waiting and self._free_slots:
-            seq = self.waiting[0]
+            seq = self._admitting = self.waiting[0]
             if not self._slot_free_for(seq) or self._prefix_in_flight(seq) or not self._admit(seq):
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            self._touched.append(seq)
             if seq.admitted_s is None:
                 seq.admitted_s = time.perf_counter()
                 it.admitted.append((seq.task, seq.admitted_s))
                 if seq.request.return_progress:  # b11434 reports the prompt once before its first batch
                     it.outputs.append((seq.task, self._progress(seq)))
+
+        self._admitting = None
 
         # 2. prefill, a bounded number of tokens, oldest first
         budget = self.prefill_budget

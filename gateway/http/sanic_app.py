@@ -10,10 +10,14 @@ A target matches a route exactly; only a handler marked `takes_query` (llama-ser
 whose clients send `?fail_on_no_slot=1`) is also reached by its path followed by `?query`, and reads
 the query itself (`query_of`). A route whose path ends in `/{id}` (`POST /slots/{id}`) takes any
 last segment, and reads it from the raw target itself.
+
+The loop's default executor (every `asyncio.to_thread`) is a `liveness.WorkerPool`, which counts its
+work, and `app.ctx.liveness` reads it with the engines for /health's wedge check (liveness.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +27,7 @@ from sanic import Sanic
 from sanic.exceptions import NotFound
 
 from gateway.http.errors import GatewayErrorHandler
+from gateway.http.liveness import Liveness, WorkerPool
 from gateway.http.loopback import Limits
 from gateway.http.shutdown import Shutdown
 
@@ -60,6 +65,12 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
         "FALLBACK_ERROR_FORMAT": "text",
     })
     app.ctx.state = state
+    workers = WorkerPool()
+    app.ctx.liveness = Liveness(workers, limits.wedged_after_s)
+
+    @app.before_server_start
+    async def own_workers(app):
+        asyncio.get_running_loop().set_default_executor(workers)
 
     @app.on_response
     async def cors(request, response):

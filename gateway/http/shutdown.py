@@ -4,6 +4,16 @@ grace period, and those still running then are ended as well as their state allo
 `Shutdown` is shared by the listeners of one server (loopback.make_protocol); every connection
 registers with it, and the app's before-stop listener awaits `stop()` (sanic_app.py, p0/app.py), before
 Sanic's own shutdown, which then finds nothing left to wait for.
+
+A stop always ends the process (issue 28: "Server Stopped", then the process went on until SIGKILL).
+Threads may still be busy when the loop is done: a worker of the loop's executor inside a request's
+preparation nobody awaits any more, an engine thread inside a step. concurrent.futures joins every
+worker of every ThreadPoolExecutor at interpreter exit, daemon or not, so no executor setting can let
+the process go; and the engine's native code cannot be interrupted. So `stop()` arms the process's
+`ExitWatchdog`: one daemon thread that, unless the process has ended by then, logs which threads are
+still busy, flushes the logs and `os._exit`s at the grace period plus ENDED_CLOSE_S plus EXIT_MARGIN_S
+after the signal. Nothing is lost that would not be lost anyway: every answer has ended by then, and
+the receipts went out with them. A stop that ends normally never sees it (the thread is a daemon).
 """
 
 from __future__ import annotations
@@ -13,12 +23,73 @@ import json
 import logging
 import os
 import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger("bankml.gateway")
 
 SHUTTING_DOWN = "bankml serve is shutting down"
 ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200 ms) get to reach the wire
+# after the grace and ENDED_CLOSE_S: Sanic's own stop (nothing left to wait for), the engine threads'
+# stop, the monitor's close and the interpreter's exit; past it, the watchdog ends the process
+EXIT_MARGIN_S = 5.0
+FORCED_EXIT = 1  # the exit status of a process the watchdog ended (a normal stop exits 0, P0 128 + signal)
+
+
+class ExitWatchdog:
+    """Ends the process with `os._exit` at a deadline, unless it has ended by then. `arm(within_s)`
+    starts it, or brings its deadline nearer; the thread waits on a condition (no polling) and, being
+    a daemon, never keeps the process alive itself. `clock` and `exit` are the tests'."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, exit: Callable[[int], object] = os._exit):
+        self._clock = clock
+        self._exit = exit
+        self._cond = threading.Condition()
+        self._deadline_s: float | None = None
+        self._thread: threading.Thread | None = None
+        self.fired = False
+
+    def arm(self, within_s: float) -> None:
+        with self._cond:
+            deadline = self._clock() + within_s
+            if self._deadline_s is None or deadline < self._deadline_s:
+                self._deadline_s = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, args=(within_s,), name="bankml-exit-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _watch(self, armed_for_s: float) -> None:
+        with self._cond:
+            while (left := self._deadline_s - self._clock()) > 0:
+                self._cond.wait(left)
+        me = threading.current_thread()
+        busy = sorted(t.name for t in threading.enumerate() if t is not me and t is not threading.main_thread())
+        log.error("stopping: the process is still running %g s after the stop began (threads still busy: %s): "
+                  "exiting now", armed_for_s, ", ".join(busy) or "none")
+        _flush_logs()
+        self.fired = True
+        self._exit(FORCED_EXIT)
+
+
+def _flush_logs() -> None:
+    for handler in [*logging.getLogger().handlers, *log.handlers]:
+        try:
+            handler.flush()
+        except Exception:  # a handler that cannot flush must not keep the process alive
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+PROCESS_WATCHDOG = ExitWatchdog()  # the process's: a server stopping in it ends it
 
 
 class Connection(Protocol):
@@ -38,8 +109,9 @@ class Shutdown:
     `stop()` runs once, before Sanic's own shutdown, so that one finds nothing left to wait for.
     """
 
-    def __init__(self, grace_s: float = 10.0):
+    def __init__(self, grace_s: float = 10.0, watchdog: ExitWatchdog | None = PROCESS_WATCHDOG):
         self.grace_s = grace_s
+        self.watchdog = watchdog  # None: a stop leaves the process alone
         self._listeners: list[tuple[int, int, tuple]] = []  # (fd, family, address) of each listening socket
         self.open: set[Connection] = set()
         self._none_open = asyncio.Event()
@@ -65,6 +137,8 @@ class Shutdown:
         await asyncio.shield(self._stopping)
 
     async def _stop(self) -> None:
+        if self.watchdog is not None:  # from the signal on: the process ends within the grace and a margin
+            self.watchdog.arm(self.grace_s + ENDED_CLOSE_S + EXIT_MARGIN_S)
         for fd, family, address in self._listeners:
             _stop_listening(fd, family, address)
         in_flight = sum(conn.in_flight for conn in self.open)

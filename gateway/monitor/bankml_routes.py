@@ -66,7 +66,9 @@ def _weights_report(state) -> dict[str, Any] | None:
 
 
 async def bankml(request, state):
-    return json_response(jstr.dumps(bankml_info(state)))
+    # bankml's own "health": "ok", or "wedged" and why (what /health's 503 says), and the loop's workers
+    info = {**bankml_info(state), "health": request.app.ctx.liveness.report(state.residency.resident())}
+    return json_response(jstr.dumps(info))
 
 
 async def receipt_key(request, state):
