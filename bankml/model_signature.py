@@ -64,7 +64,7 @@ def named(fork_text: str, fork_path: str | None) -> Signature | None:
         return None
     sig, signer = doc.get("signature"), doc.get("signer")
     if not isinstance(sig, str) or not sig:
-        raise Refused("FORK.json's signer needs `signature`: the path of the model's Sigstore bundle")
+        raise Refused("FORK.json names a signer but no `signature` (the path of the model's Sigstore bundle)")
     if not isinstance(signer, dict):
         raise Refused(f"FORK.json names the signature {sig} but no `signer` object (who must have signed it)")
     kind = signer.get("kind")

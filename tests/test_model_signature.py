@@ -191,7 +191,7 @@ def test_a_missing_bundle_and_a_bundle_for_another_file_are_refused(tmp_path, ca
 
 @pytest.mark.parametrize("keys, code, why", [
     ({"signer": None}, 2, f"FORK.json names the signature {MODEL}.sig but no `signer` object"),
-    ({"signature": None}, 2, "FORK.json's signer needs `signature`"),
+    ({"signature": None}, 2, "FORK.json names a signer but no `signature`"),
     ({"signer": {"kind": "gpg", "public_key": "x"}}, 2, "FORK.json's signer kind 'gpg' is not one of key, "
                                                         "certificate, sigstore"),
     ({"signer": {"kind": "key", "public_key": "absent.pem"}}, 1,
