@@ -35,7 +35,7 @@ from gateway.serving.receipt import Tally
 
 pytestmark = pytest.mark.timeout(180)
 
-model_signing = pytest.importorskip("model_signing.signing", reason="model-signing is not installed: "
+ms_signing = pytest.importorskip("model_signing.signing", reason="model-signing is not installed: "
                                     "pip install 'bankml[signing]' (the test extra has it)")
 
 MODEL = "Tiny-Model.Q8_0.gguf"
@@ -182,7 +182,7 @@ def test_a_missing_bundle_and_a_bundle_for_another_file_are_refused(tmp_path, ca
     code, out, _ = run(capsys, "verify", str(model), "--fork", str(fork))
     assert (code, out) == (2, f"refuse: cannot read the signature {MODEL}.sig: No such file or directory: refused\n")
 
-    model_signing.Config().use_elliptic_key_signer(private_key=tmp_path / "signing-key.pem").sign(
+    ms_signing.Config().use_elliptic_key_signer(private_key=tmp_path / "signing-key.pem").sign(
         other, bundle)  # the right key, over another file
     code, out, _ = run(capsys, "verify", str(model), "--fork", str(fork))
     assert code == 2 and out.startswith(f"refuse: {MODEL}: the signature {MODEL}.sig signs sha256 "
@@ -291,7 +291,7 @@ def test_a_certificate_signer_verifies_against_its_chain_and_identity(tmp_path, 
         _certificate("Other CA", other_ca_key, "Other CA", other_ca_key, ca=True).public_bytes(pem))
     leaf = _certificate("model signer", leaf_key, "Test CA", ca_key, ca=False, email="signer@example.com")
     (tmp_path / "leaf.pem").write_bytes(leaf.public_bytes(pem))
-    model_signing.Config().use_certificate_signer(
+    ms_signing.Config().use_certificate_signer(
         private_key=tmp_path / "leaf.key", signing_certificate=tmp_path / "leaf.pem",
         certificate_chain=[tmp_path / "ca.pem"]).sign(model, tmp_path / "model.sig")
 
