@@ -269,7 +269,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     try:
         loaded = residency.load_startup()
     except Exception as e:
-        return refuse_start(f"cannot load {gated.path}: {e}")
+        return refuse_start(f"cannot load {gated.path}: {str(e) or type(e).__name__}")
     # after the first load: jax has started, the device is known
     residency.budget_bytes = device_budget.memory_budget_bytes() if budget_bytes is None else budget_bytes
 

@@ -77,7 +77,10 @@ class ProgramTable:
         """The pages of the smallest window bucket holding `n_cells` cached cells (0: none)."""
         if n_cells == 0:
             return 0
-        return -(-next(w for w in buckets if w >= n_cells) // self.page_size)
+        w = next((w for w in buckets if w >= n_cells), None)
+        if w is None:
+            raise ValueError(f"{n_cells} cells exceed the largest window ({buckets[-1]}) of a {self.n_ctx}-cell context")
+        return -(-w // self.page_size)
 
     def prefill_shape(self, start: int, n: int) -> tuple[int, int]:
         """The bucket (padded tokens) and the window (pages) of a chunk of `n` tokens from `start`."""
@@ -103,7 +106,7 @@ class ProgramTable:
         and answer fit in ESSENTIAL_CELLS (several requests at once: MIN_WINDOW): the smallest prefill
         buckets, the smallest decode windows, the samplers and the history row."""
         keys = [("prefill", t, 0) for t in self.prefill_buckets() if t <= ESSENTIAL_PROMPT]
-        keys += [("prefill", t, self.window_pages(MIN_WINDOW, self.prefill_windows))
+        keys += [("prefill", t, self.window_pages(min(MIN_WINDOW, self.n_ctx), self.prefill_windows))
                  for t in self.continue_buckets() if t <= 2 * CONTINUE_BUCKET]
         for b in self.batches:  # one sequence up to ESSENTIAL_CELLS, several at once in the smallest window
             keys += [("decode", b, self.window_pages(w, self.decode_windows))
