@@ -103,8 +103,11 @@ def test_a_stream_opens_with_the_role_and_every_chunk_has_the_answers_id(server)
     assert list(final) == [*CHUNK_KEYS, "usage", "timings"]
     assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "stop"}]
     assert final["usage"]["completion_tokens"] == 9
-    # the receipt event has an empty `choices`, so a client reading it on every event does not break
-    assert list(receipt) == ["choices", "bankml_receipt"] and receipt["choices"] == []
+    # the receipt is a chunk of no choices with the answer's id, usage and timings again, so a client that
+    # reads every chunk without choices as the usage chunk (llama-server's tests, the openai helper) agrees
+    assert list(receipt) == [*CHUNK_KEYS, "usage", "timings", "bankml_receipt"] and receipt["choices"] == []
+    assert receipt["id"] == final["id"] and (receipt["usage"], receipt["timings"]) == (final["usage"], final["timings"])
+    assert final["timings"]["predicted_n"] == 9 and final["timings"]["prompt_n"] == final["usage"]["prompt_tokens"]
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks[:-1])
     assert text == REPLY
     assert receipt["bankml_receipt"]["response_sha256"] == sha(text)
@@ -117,7 +120,8 @@ def test_include_usage_puts_usage_in_a_last_chunk_without_choices(server):
     finish, usage = chunks[-2:]
     assert list(finish) == CHUNK_KEYS and finish["choices"][0]["finish_reason"] == "stop"
     assert list(usage) == [*CHUNK_KEYS, "usage", "timings"] and usage["choices"] == []
-    assert usage["usage"]["completion_tokens"] == 9 and usage["timings"] == {"cache_n": 0}
+    assert usage["usage"]["completion_tokens"] == 9 and usage["timings"]["cache_n"] == 0
+    assert usage["timings"]["predicted_n"] == 9
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 9
     assert len({c["id"] for c in chunks}) == 1
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-2])

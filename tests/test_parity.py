@@ -158,8 +158,9 @@ def test_each_stream_is_llama_servers(server, name):
     their_final = next(e for e in theirs if isinstance(e, dict) and e.get("choices")
                        and e["choices"][0]["finish_reason"])
     assert final["choices"] == their_final["choices"]
-    assert final["timings"] == {"cache_n": their_final["timings"]["cache_n"]}
-    assert ours[-1] == "[DONE]" and list(ours[-2]) == ["choices", "bankml_receipt"]
+    counts = ("cache_n", "prompt_n", "predicted_n")
+    assert {k: final["timings"][k] for k in counts} == {k: their_final["timings"][k] for k in counts}
+    assert ours[-1] == "[DONE]" and ours[-2]["choices"] == [] and ours[-2]["usage"] == final["usage"]
     receipt = ours[-2]["bankml_receipt"]
     sent = "".join(c["delta"].get("content") or "" for c in _content_chunks(ours))
     assert receipt["response_sha256"] == hashlib.sha256(sent.encode()).hexdigest()

@@ -26,8 +26,6 @@ from gateway.openai.chat_writer import (
     ChatCompletion,
     finish_reason,
     logprob_entry,
-    receipt_event,
-    timings,
 )
 from gateway.openai.completion_request import N_UNBOUNDED, check_n
 from gateway.openai.resolve import resolve_for, shown_name
@@ -127,8 +125,8 @@ class ChatWriter:
             for kind, delta in deltas:
                 await response.send(c.delta_chunk(kind, delta, j, out if timed else None))
             finish = finish_reason(out, parsed)
-        await response.send(c.final_chunks(out, j, timed, finish))
-        await response.send(receipt_event(receipt, None if self.n == 1 else j, timings(out) if timed else None))
+        await response.send(c.final_chunks(out, j, finish))
+        await response.send(c.receipt_chunk(receipt, out, None if self.n == 1 else j))
 
     async def failed(self, response, error: Exception) -> None:
         await response.send(stream_error(error))

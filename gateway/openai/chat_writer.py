@@ -4,9 +4,9 @@ llama-server's order (tools/server/server-task.cpp `to_json_oaicompat_chat*`).
 
 A stream: the role delta first, as OpenAI sends it (llama-server sends it with the first token's text,
 so not at all when that token ends inside a character); a chunk per text piece; the finish_reason's
-chunk, which carries `usage` unless `stream_options.include_usage` asks for a usage chunk of its own
-(`choices: []`, as llama-server and OpenAI send it; llama-server omits usage otherwise); the receipt
-event; `data: [DONE]`. A logprob entry (llama-server's `probs_vector_to_json`) rides on the chunk its
+chunk, which carries `usage` and `timings` unless `stream_options.include_usage` asks for a usage chunk
+of its own (`choices: []`, as llama-server and OpenAI send it); the receipt chunk (no choices, the same
+usage and timings); `data: [DONE]`. Every chunk has `id`, `object`, `created` and `model`. A logprob entry (llama-server's `probs_vector_to_json`) rides on the chunk its
 token's text makes (the role delta when the first token makes none); its `token` is cut before a
 character its raw `bytes` leave unfinished.
 `system_fingerprint` is `b<bankml's version>`: it names the server that answered (llama-server writes
@@ -144,33 +144,31 @@ class ChatCompletion:
         choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
         return self._chunk([choice], prompt_progress=progress)
 
-    def final_chunks(self, last: StepOutput, index: int = 0, timed: bool = False, reason: str | None = None) -> bytes:
+    def final_chunks(self, last: StepOutput, index: int = 0, reason: str | None = None) -> bytes:
         """The finish_reason's chunk (`reason` in place of the engine's: tool_calls), then (include_usage)
-        the usage chunk, `timings` on the last one (all of them with timings_per_token, else `cache_n`)."""
+        the usage chunk; `usage` and the whole `timings` on the last one, as llama-server sends them."""
         finish = [{"finish_reason": reason or last.finish_reason.value, "index": index, "delta": {}}]
-        times = timings(last) if timed else {"cache_n": last.cached_tokens}
         if not self.include_usage:
-            return self._chunk(finish, usage=usage(last), timings=times)
-        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=times)
+            return self._chunk(finish, usage=usage(last), timings=timings(last))
+        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=timings(last))
+
+    def receipt_chunk(self, receipt: dict, last: StepOutput, index: int | None = None) -> bytes:
+        """The receipt, last before [DONE]: a chunk of no choices, as the usage chunk is, with the answer's
+        `usage` and `timings` again, so a client that takes every chunk without choices for the usage
+        chunk (the openai client's stream helper, llama-server's own tests) reads the same figures. With
+        `n` > 1, one per choice, after its last chunk, with the choice's `index`."""
+        extra: dict[str, Any] = {"index": index} if index is not None else {}
+        return self._chunk([], **extra, usage=usage(last), timings=timings(last), bankml_receipt=receipt)
 
 
 def _event(obj: dict) -> bytes:
     return b"data: " + jstr.dumps(obj).encode("utf-8") + b"\n\n"
 
 
-def receipt_event(receipt: dict, index: int | None = None, times: dict | None = None) -> bytes:
-    """The receipt, last before [DONE]. Not a chunk (no `object`, no `id`): the openai client's stream
-    helper skips it, where a chunk would overwrite the usage it gathered; `choices` is there, empty,
-    for clients that read it on every event. With `n` > 1, one per choice, after its last chunk, with
-    the choice's `index`. With timings_per_token, llama-server's clients expect `timings` on every event
-    whose `choices` is empty (its usage chunk's): the final timings ride here too (`times`)."""
-    event: dict = {"choices": []}
-    if index is not None:
-        event["index"] = index
-    if times is not None:
-        event["timings"] = times
-    event["bankml_receipt"] = receipt
-    return _event(event)
+def receipt_event(receipt: dict) -> bytes:
+    """P0's receipt after llama-server's own chunks (gateway/p0/chat.py): `choices` empty, for clients that
+    read it on every event."""
+    return _event({"choices": [], "bankml_receipt": receipt})
 
 
 DONE_EVENT = b"data: [DONE]\n\n"
