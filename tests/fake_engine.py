@@ -5,6 +5,11 @@ prompt, so one server serves every test:
 - "LONG": 5000 pieces (a stream a client can walk away from); "HUGE": 5000 pieces of 8 KiB;
 - "FAIL": raises after 3 pieces (an engine failure mid-answer);
 - "DIE": raises a BaseException that kills the engine thread;
+- "STEPERROR": the engine's iteration itself raises while admitting it (a scheduler bug, as Work.id_slot
+  = None once was); its `reset` drops it, as model/scheduler.py drops the sequence it was admitting;
+- "BROKEN": after 2 pieces every iteration raises, for good (an engine that cannot step any more);
+- "HANG:<fifo>": its first step blocks the engine thread until the test opens the fifo for writing
+  and closes it (a wedged engine, released by the test);
 - otherwise the fixed REPLY, piece by piece, each step `step_s` long; `max_tokens` gives "length".
 It serves `max_seqs` generations at once (one by default), each advanced a step per iteration
 (tests/batch_adapter.py). Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
@@ -13,6 +18,7 @@ It serves `max_seqs` generations at once (one by default), each advanced a step 
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -29,6 +35,8 @@ from model.slot_file import Expect, Slot, SlotBusy
 SLOT_LAYOUT = (1, 32, "f16", 1 << 16)  # the fake's slot files: n_layers, width, cache type, n_vocab
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
 REPLY = "".join(REPLY_PIECES)
+STEP_FAILED = "the fake engine's step failed on purpose"
+HANG = re.compile(rb"HANG:([^\s<\"]+)")
 
 
 class EngineDeath(BaseException):
@@ -47,6 +55,33 @@ class FakeEngine(GeneratorBatch):
         self.max_seqs = max_seqs
         self.size_bytes = size_bytes
         self._kept: dict[int, Slot] = {}  # what a restore put in each slot
+        self.broken = False  # "BROKEN": every iteration raises from now on
+        self._admitting: int | None = None  # the task a failed iteration was admitting
+
+    def iterate(self):
+        """GeneratorBatch's iteration, unless it must fail (STEPERROR at the head of the queue, BROKEN)."""
+        for request, _, count in self._running.values():
+            if "BROKEN" in _tail(request.prompt_tokens) and count[0] >= 2:
+                self.broken = True
+        if self.broken:
+            raise RuntimeError(STEP_FAILED + " (broken)")
+        if self._waiting and len(self._running) < self.max_seqs:
+            task, request = self._waiting[0]
+            if "STEPERROR" in _tail(request.prompt_tokens):
+                self._admitting = task
+                raise RuntimeError(STEP_FAILED)
+        return super().iterate()
+
+    def reset(self) -> list[int]:
+        """The running generations, and the one a failed iteration was admitting."""
+        dropped = super().reset()
+        for i, (task, _) in enumerate(self._waiting):
+            if task == self._admitting:
+                del self._waiting[i]
+                dropped.append(task)
+                break
+        self._admitting = None
+        return dropped
 
     def memory_bytes(self) -> int:
         return self.size_bytes
@@ -57,19 +92,19 @@ class FakeEngine(GeneratorBatch):
     def save_slot(self, slot: int) -> Slot:
         if self.slot_busy(slot):
             raise SlotBusy(slot)
-        width = SLOT_LAYOUT[1]
-        return self._kept.get(slot) or Slot(np.zeros(0, np.int64), *(np.zeros((1, 0, width), np.float16),) * 2)
+        return self._kept.get(slot) or _empty_slot()
 
     def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        """As the engine's: None (a refused file) empties a slot that held something."""
         if self.slot_busy(slot):
             raise SlotBusy(slot)
-        self._kept.pop(slot, None)
-        if restored is not None:
-            self._kept[slot] = restored
-        return 0 if restored is None else len(restored.tokens)
+        if restored is not None or slot in self._kept:
+            self._kept[slot] = restored or _empty_slot()
+        return len(self._kept[slot].tokens) if slot in self._kept else 0
 
     def erase_slot(self, slot: int) -> int:
-        kept = self._kept.pop(slot, None)
+        kept = self._kept.get(slot)
+        self._kept[slot] = _empty_slot()
         return 0 if kept is None else len(kept.tokens)
 
     def stats(self) -> EngineStats:
@@ -97,9 +132,13 @@ class FakeEngine(GeneratorBatch):
     def generate(self, prompt_tokens: list[int], params: SamplingParams | None = None,
                  request_id: str = "generate") -> Iterator[StepOutput]:
         params = params or SamplingParams()
-        tail = bytes(prompt_tokens[-80:]).decode("utf-8", "replace")
+        tail = _tail(prompt_tokens)
         if "DIE" in tail:
             raise EngineDeath("the fake engine thread was told to die")
+        hang = HANG.search(bytes(prompt_tokens[-400:]))
+        if hang:
+            with open(hang.group(1), "rb") as fifo:  # blocks until the test opens it for writing
+                fifo.read()  # and until it closes it
         pieces = ["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail else REPLY_PIECES
         n, how = 0, "aborted"
         try:
@@ -120,6 +159,15 @@ class FakeEngine(GeneratorBatch):
                     return
         finally:
             print(f"fake-engine: {request_id} {how} after {n} steps", file=sys.stderr, flush=True)
+
+
+def _tail(prompt_tokens) -> str:
+    return bytes(prompt_tokens[-80:]).decode("utf-8", "replace")
+
+
+def _empty_slot() -> Slot:
+    width = SLOT_LAYOUT[1]
+    return Slot(np.zeros(0, np.int64), *(np.zeros((1, 0, width), np.float16),) * 2)
 
 
 def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1,
