@@ -203,14 +203,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
     p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
     p.add_argument("--spec-ngram", action="store_true", help="P0: --spec-type ngram-simple")
-    p.add_argument("--slot-dir", metavar="DIR", help="slot files: POST /slots/{id}?action=save|restore|erase "
+    p.add_argument("--slot-dir", "--slot-save-path", metavar="DIR", dest="slot_dir", help="slot files: POST /slots/{id}?action=save|restore|erase "
                    "(made if missing; P0 passes it to llama-server as --slot-save-path)")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
                    help="--native: also serve every model pinned by a *.FORK.json in DIR (a bare flag: "
                         "$BANKML_FORKS, else ~/.local/share/bankml/forks)")
     p.add_argument("--api-key", metavar="KEY", action="append", dest="api_keys",
                    help="require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health, "
-                        "/v1/health and / (repeatable: any of the keys; a 401 otherwise; `ps` shows it: prefer --api-key-file)")
+                        "/v1/health, /models, /v1/models and / (repeatable: any of the keys; a 401 otherwise; `ps` shows it: prefer --api-key-file)")
     p.add_argument("--api-key-file", metavar="F",
                    help="API keys, one per line (# comments and blank lines skipped; [serve] api_key_file); "
                         "a file others may read is a warning")

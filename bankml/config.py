@@ -43,8 +43,8 @@ class ServeConfig:
     spec_ngram: bool = False  # P0: --spec-type ngram-simple
     slot_dir: str = ""  # slot files (POST /slots/{id}?action=save|restore); P0 passes it as --slot-save-path
     shutdown_grace_s: float = 10.0  # SIGTERM/SIGINT: answers in flight get this long to finish, then end
-    # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /v1/health and /
-    # then needs `Authorization: Bearer KEY` or `x-api-key: KEY` (bankml/serve_files.py reads it)
+    # API keys, one a line ("" = none; --api-key KEY adds more): every route but /health, /v1/health,
+    # /models, /v1/models and / then needs `Authorization: Bearer KEY` or `x-api-key: KEY` (bankml/serve_files.py reads it)
     api_key_file: str = ""
     # browser origins admitted besides the server's own (scheme://host[:port]; --allow-origin O,...)
     allowed_origins: tuple[str, ...] = ()

@@ -232,7 +232,7 @@ def _log_edge(options: ServeOptions) -> None:
     """What the edge admits, said once at start (a key itself never: its count only), and what signs."""
     log.info("receipts signed with %s (key_id %s)", options.receipt_key.path, options.receipt_key.key_id)
     if options.api_keys:
-        log.info("API keys: %d; every route but /health, /v1/health and / needs one", len(options.api_keys))
+        log.info("API keys: %d; every route but /health, /v1/health, /models, /v1/models and / needs one", len(options.api_keys))
     if options.allowed_origins:
         log.info("browser origins admitted: %s", ", ".join(options.allowed_origins))
     if options.chat_template:

@@ -27,6 +27,9 @@ class FakeTokenizer:
     eos_token = "<|im_end|>"
     add_bos = False
     add_eos = False
+    bos_id = None  # no BOS, as SmolLM2
+    eos_id = 0  # the NUL byte stands for the end of generation
+    eog_ids = frozenset({0})
 
     def encode(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
         return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap

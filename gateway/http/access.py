@@ -10,8 +10,9 @@ every method, as Ollama refuses one (gin-contrib/cors): a request never served h
 No `Access-Control-Allow-Credentials`: a page sets the key header itself, so no cookie need cross.
 
 API keys: llama-server's rules (b11434, tools/server/server-http.cpp; recorded in
-tests/fixtures/api_key_smollm2.json): only its public endpoints (`get_public_endpoints`: /health and
-/v1/health; /v1/models is not one in that build) and our status page go without; an exact "Bearer "
+tests/fixtures/api_key_smollm2.json): only its public endpoints and our status page go without: /health
+and /v1/health, and /models and /v1/models, public in later builds (its own test_security.py; b11434 asked a
+key for them); an exact "Bearer "
 prefix is stripped; `X-Api-Key` is its retry for Anthropic's clients. The 401 comes before routing (an
 unknown path gets it too), in the route's API shape. Keys are compared as sha256 digests, every key every
 time, so the timing tells nothing.
@@ -30,7 +31,7 @@ from gateway.http.loopback import PREFLIGHT_REFUSED as NO_ORIGINS_LISTED
 from gateway.http.loopback import Head, Refusal
 
 INVALID_KEY = "Invalid API Key"  # llama-server's message, tools/server/server-http.cpp
-PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/"})
 ORIGIN_REFUSED = ("bankml serve: requests from a web page of another origin are refused (--allow-origin "
                   "admits one)")
 PREFLIGHT_REFUSED = "bankml serve: cross-origin requests are refused (this origin is not in --allow-origin)"

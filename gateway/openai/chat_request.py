@@ -17,13 +17,24 @@ before a bad field there; here the template renders after the model is acquired 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported, RequestFailed
 from gateway.http.body import parse_body
-from gateway.http.json_values import JsonTypeError, dump, get_bool, get_int, get_string, has_value, json_value
+from gateway.http.json_values import (
+    JsonTypeError,
+    dump,
+    get_bool,
+    get_int,
+    get_string,
+    has_value,
+    json_value,
+    type_name,
+)
 from gateway.serving.constraints import chat_grammar, read_logit_bias, response_schema
+from gateway.serving.prompt_input import MEDIA, media_refused
 from gateway.serving.request_fields import N_PROBS_MAX, read_fields
 from gateway.serving.tool_calls import Tools, read_tools
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -58,15 +69,11 @@ def failed(message: str) -> RequestFailed:
 
 # --- 2. the OpenAI layer -------------------------------------------------------------------------
 
-_MEDIA = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
-
-
 def _content_text(parts: list) -> str:
     for p in parts:
         kind = json_value(p, "type", "", get_string)
-        if kind in _MEDIA:
-            raise failed(f"{_MEDIA[kind]} input is not supported - hint: if this is unexpected, you may need "
-                         "to provide the mmproj")
+        if kind in MEDIA:
+            raise media_refused(kind)
         if kind != "text":
             raise bad("unsupported content[].type")
     # common_chat_msg::to_json_oaicompat for a template that reads a string: text parts, one per line
@@ -109,10 +116,25 @@ def check_messages(messages: Any) -> list[dict]:
         kept = {k: msg[k] for k in _TOOL_KEYS if k in msg and msg[k] is not None}
         if "tool_calls" in kept and not isinstance(kept["tool_calls"], list):
             raise bad("Failed to parse messages: 'tool_calls' must be an array")
+        _check_call_arguments(len(out), kept.get("tool_calls", []))
         out.append({"role": role, "content": text, **kept})
     if len(out) >= 2 and out[-1]["role"] == "assistant" and out[-2]["role"] == "assistant":
         raise bad("Cannot have 2 or more assistant messages at the end of the list.")
     return out
+
+
+def _check_call_arguments(i: int, calls: list) -> None:
+    """A call in the history whose `function.arguments` is a string must be JSON (llama-server parses it
+    for the template and answers 400 naming the message); an object is taken as it is."""
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str) and args.strip():
+            try:
+                json.loads(args)
+            except ValueError as e:
+                raise bad(f"Failed to parse messages: messages[{i}].tool_calls[{j}].function.arguments is not "
+                          f"valid JSON ({e})") from None
 
 
 _TOOL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept for the template and gateway/serving/tool_calls.py
@@ -135,6 +157,10 @@ def openai_layer(body: Any) -> tuple[dict, list[dict]]:
         kind = json_value(rf, "type", "", get_string)
         if kind and kind not in ("text", "json_object", "json_schema"):
             raise bad(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+        wrapper = json_value(rf, "json_schema", None)
+        for where, holder in (("response_format.schema", rf), ("response_format.json_schema.schema", wrapper)):
+            if isinstance(holder, dict) and holder.get("schema") is not None and not isinstance(holder["schema"], dict):
+                raise bad(f"{where} must be a JSON Schema object (got {type_name(holder['schema'])})")
     if not isinstance(body, dict) or "messages" not in body:
         raise bad("'messages' is required")
     messages = check_messages(body["messages"])

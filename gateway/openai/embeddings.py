@@ -75,6 +75,17 @@ def input_prompts(model: NativeModel, value: Any) -> list[list[int]]:
     return tokenize_input_prompts(model, value, "input")
 
 
+def empty_input(model: NativeModel) -> list[int]:
+    """An input of no tokens (an empty string on a model that adds no BOS, as SmolLM2) is embedded as the
+    model's BOS token, else its EOS: llama-server answers 200 with a vector for it, and a client embedding
+    a list of documents should not fail on an empty one."""
+    tok = model.tokenizer
+    for special in (tok.bos_id, tok.eos_id):
+        if special is not None:
+            return [special]
+    raise InvalidRequest("Input content cannot be empty")
+
+
 def check_task(tokens: list[int], n_ctx: int, n_vocab: int) -> None:
     """What llama-server refuses of one embedding task before it runs (server-context.cpp): an empty input,
     a token outside the vocabulary, and one that does not fit in a physical batch (a pooled embedding is
@@ -177,8 +188,7 @@ async def _answer(request, state, doc: Any, oai: bool, pin):
         if req.oai and pooling == POOLING_NONE:
             raise InvalidRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
         check_dimensions(req.dimensions, shape.n_embd)
-        if not all(token_lists):  # the handler's check, before any task is made
-            raise InvalidRequest("Input content cannot be empty")
+        token_lists = [tokens or empty_input(model) for tokens in token_lists]
         for tokens in token_lists:
             check_task(tokens, model.n_ctx, shape.n_vocab)
         tally = Tally.start(request.body, state.receipt_key)

@@ -2,7 +2,7 @@
 /completion's `generation_settings` and each busy slot's `params` in `GET /slots`.
 
 The values are the request's, read by gateway/serving/request_fields.py; a field this engine only takes at
-its neutral value (it refuses any other: mirostat, grammars, logit_bias, ignore_eos, lora, n_keep...)
+its neutral value (it refuses any other: mirostat, lora, n_keep...)
 is written at that value, since that is what the answer was generated with.
 """
 
@@ -20,9 +20,24 @@ ADAPTIVE_TARGET = -1.0  # the adaptive-p sampler: off
 ADAPTIVE_DECAY = 0.9
 
 
-def params_json(p: SamplingParams, *, stream: bool = False, timings_per_token: bool = False) -> dict[str, Any]:
+def logit_bias_json(p: SamplingParams, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """llama-server's `logit_bias` as it applied it (`format_logit_bias`): the request's entries, a string's
+    tokens each with its bias (needs the model's `tokenizer`; without one, entries by id only), then under
+    `ignore_eos` every end-of-generation token at -inf, which its JSON writes as null."""
+    out: list[dict[str, Any]] = []
+    for tok, bias in p.logit_bias:
+        ids = [tok] if isinstance(tok, int) else tokenizer.encode(tok, False, False) if tokenizer is not None else []
+        out += [{"bias": f32(bias), "token": t} for t in ids]
+    if p.ignore_eos and tokenizer is not None:
+        out += [{"bias": None, "token": t} for t in sorted(tokenizer.eog_ids)]
+    return out
+
+
+def params_json(p: SamplingParams, *, stream: bool = False, timings_per_token: bool = False,
+                tokenizer: Any = None) -> dict[str, Any]:
     """b11434's keys in its order (recorded in tests/fixtures/completions_smollm2.json); a float is
-    written as the float llama-server holds (0.95 reads 0.949999988079071)."""
+    written as the float llama-server holds (0.95 reads 0.949999988079071). `tokenizer`: the model's, for
+    the biases a string or `ignore_eos` stands for."""
     return {
         "seed": p.seed & 0xFFFFFFFF,  # llama-server's seed is a uint32: -1 (random) reads 4294967295
         "temperature": f32(p.temperature),
@@ -54,9 +69,9 @@ def params_json(p: SamplingParams, *, stream: bool = False, timings_per_token: b
         "n_predict": p.max_tokens,
         "n_keep": 0,
         "n_discard": 0,
-        "ignore_eos": False,
+        "ignore_eos": p.ignore_eos,
         "stream": stream,
-        "logit_bias": [],
+        "logit_bias": logit_bias_json(p, tokenizer),
         "n_probs": p.n_probs,
         "min_keep": p.min_keep,
         "grammar": "",

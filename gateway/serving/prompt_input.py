@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bankml.errors import InvalidRequest, RequestFailed
+from bankml.errors import InvalidRequest
 from gateway.http.json_values import type_name
 
 ELEMENTS = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, or a '
@@ -74,6 +74,16 @@ def _tokenize_mixed(model: Any, v: Any, limit: int | None) -> list[int]:
     return out
 
 
+MEDIA = {"image_url": "image", "input_audio": "audio", "input_video": "video", "video_url": "video"}
+
+
+def media_refused(kind: str) -> InvalidRequest:
+    """A media part on a text-only model: llama-server's words, as a 400 (b11434 answered 500, a server
+    fault, for what is the request's; its own tests now want 400)."""
+    return InvalidRequest(f"{MEDIA[kind]} input is not supported - hint: if this is unexpected, you may need to "
+                          "provide the mmproj")
+
+
 def _type_error(expected: str, v: Any) -> InvalidRequest:
     return InvalidRequest(f"[json.exception.type_error.302] type must be {expected}, but is {type_name(v)}")
 
@@ -86,7 +96,7 @@ def _object_text(value: dict) -> str:
         if not isinstance(text, str):
             raise _type_error("string", text)
         if "multimodal_data" in value:
-            raise RequestFailed("Multimodal data provided, but model does not support multimodal requests.")
+            raise InvalidRequest("Multimodal data provided, but model does not support multimodal requests.")
         return text
     if "content" not in value:
         raise InvalidRequest(ELEMENTS)
@@ -99,9 +109,8 @@ def _object_text(value: dict) -> str:
         if kind == "text":
             text = part.get("text")
             texts.append(text if isinstance(text, str) else "")  # a text that is not a string reads as ""
-        elif kind in ("image_url", "input_audio"):
-            raise RequestFailed(f"{'image' if kind == 'image_url' else 'audio'} input is not supported - hint: if this "
-                                "is unexpected, you may need to provide the mmproj")
+        elif kind in MEDIA:
+            raise media_refused(kind)
         else:
             raise InvalidRequest("unsupported content[].type")
     return "".join(texts)

@@ -60,7 +60,9 @@ class Tools:
 def read_tools(body: dict) -> Tools | None:
     """`tools`, `tool_choice` and `parallel_tool_calls` of a body, checked; None when it has no tools."""
     tools = body.get("tools")
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    if choice is None:  # null is absent, as OpenAI and llama-server read it
+        choice = "auto"
     if tools is None or tools == []:
         if choice == "required" or isinstance(choice, dict):  # a call asked for, and nothing to call
             raise InvalidRequest(f"Invalid tool_choice: {_short(choice)} asks for a tool call, but the request has "
