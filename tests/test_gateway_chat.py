@@ -340,7 +340,7 @@ def test_bankml_says_what_was_verified(server, pinned):
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     body = r.json()
     assert list(body) == ["verified", "model", "upstream", "engine", "hashed_at", "resident", "models", "weights",
-                          "loaded"]
+                          "cache_type", "loaded", "health"]
     assert body["weights"] is None  # the fake engine does not report its weights
     assert f'"model_sha256": "{pinned_sha(fork)}"' in r.text and '"verdict": "play"' in r.text
     assert body["model"] == str(model.resolve()) and body["upstream"] == f"127.0.0.1:{server.upstream_port}"

@@ -126,3 +126,10 @@ def test_ignore_eos_shows_the_end_of_generation_biases_it_applied(server):
 def test_llama_servers_slot_flag_is_an_alias_of_ours():
     args = build_parser().parse_args(["serve", "--native", "--slot-save-path", "/tmp/slots"])
     assert args.slot_dir == "/tmp/slots"
+
+
+def test_the_kv_cache_type_is_shown_in_bankml_props_and_slots(server):
+    for path in ("/bankml", "/props"):
+        assert httpx.get(server.url(path), headers=AUTH, timeout=30).json()["cache_type"] == "f16", path
+    slots = httpx.get(server.url("/slots"), headers=AUTH, timeout=30).json()
+    assert slots and all(s["cache_type"] == "f16" for s in slots)

@@ -39,6 +39,7 @@ def bankml_info(state) -> dict[str, Any]:
         "resident": loaded[0] if loaded else None,
         "models": res.names,
         "weights": _weights_report(state),
+        "cache_type": _cache_type(state),
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
         **({"model_signer": last.verified.model_signer} if last and last.verified.model_signer else {}),
         **_edge(res, access),
@@ -56,6 +57,13 @@ def _edge(res, access) -> dict[str, Any]:
     if access is not None and access.allowed_origins:  # admitted besides the server's own origin
         out["allowed_origins"] = sorted(access.allowed_origins)
     return out
+
+
+def _cache_type(state) -> str | None:
+    """What the most recently used engine's KV pages hold ([engine] cache_type: "f16", "q8_0"); None
+    without an engine."""
+    recent = state.residency.most_recent()
+    return recent.client.cache_type if recent is not None else None
 
 
 def _weights_report(state) -> dict[str, Any] | None:

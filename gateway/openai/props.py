@@ -19,7 +19,8 @@
 
 Left out, because we cannot fill it truthfully: `media_marker` (this server takes no media, so no
 marker means anything in a prompt). Kept beside llama-server's: `n_ctx` at the top (bankml's /props
-always had it).
+always had it), and `cache_type`, what the KV cache's pages hold ([engine] cache_type; llama-server's
+--cache-type-k/v, which its /props does not show).
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def props_json(loaded: Any) -> dict[str, Any]:
         "model_ftype": ftype,
         "model_path": loaded.path,
         "n_ctx": m.n_ctx,
+        "cache_type": loaded.client.cache_type,
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": True,
         "endpoint_props": False,
