@@ -54,9 +54,13 @@ def check_depth(body: bytes, value: Any) -> None:
     be (one count at C speed); else one walk of its arrays and objects."""
     if body.count(b"[") + body.count(b"{") <= MAX_BODY_DEPTH:
         return
-    if nesting(value, MAX_BODY_DEPTH)[0] > MAX_BODY_DEPTH:
-        raise InvalidRequest(f"the request body nests arrays and objects deeper than {MAX_BODY_DEPTH} levels "
-                             "(bankml serve's bound)")
+    if nesting(value, MAX_BODY_DEPTH)[0] <= MAX_BODY_DEPTH:
+        return
+    fields = value.items() if isinstance(value, dict) else ()
+    field = next((k for k, v in fields if nesting(v, MAX_BODY_DEPTH - 1)[0] > MAX_BODY_DEPTH - 1), None)
+    where = f"'{field}' nests" if field is not None else "the request body nests"
+    raise InvalidRequest(f"{where} arrays and objects deeper than {MAX_BODY_DEPTH} levels in the request body "
+                         "(bankml serve's bound)")
 
 
 def _parse_error(line: int, column: int, why: str) -> InvalidRequest:
