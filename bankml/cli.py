@@ -180,8 +180,9 @@ def build_parser() -> _Parser:
                    help="the module whose run() checks the wiring (model.wiring_check)")
     p.add_argument("--jobs", metavar="N", type=_positive_int, default=2,
                    help="processes compiling ahead of time (2)")
-    p.add_argument("--timeout", metavar="S", type=_positive_int, default=300,
-                   help="seconds the checks may take (300)")
+    p.add_argument("--timeout", metavar="S", type=_positive_int, default=1200,
+                   help="CPU seconds each check may use, and seconds it may sit idle (1200): a limit on the "
+                        "work, so a busy machine does not fail it")
     return parser
 
 

@@ -10,7 +10,8 @@ Three checks, in child processes, because Triton reads TRITON_INTERPRET once, wh
    shared out over `jobs` processes, which run beside the interpreter's.
 Each child prints one JSON object on stdout (what the checks themselves print goes to stderr); the parent
 merges them into one row per kernel and types, joining a module's checks and variants by name (`_rows`).
-A module that is missing or raises, or a child that dies or overruns, is a failed check with its reason,
+A module that is missing or raises, or a child that dies or overruns (more CPU seconds than `--timeout`, or
+none for that long), is a failed check with its reason,
 never a traceback.
 
 Both children run JAX on the CPU (JAX_PLATFORMS=cpu): the checks read the same on a GPU machine and
@@ -31,10 +32,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 KERNEL_MODULES = ("kernels.triton.qmatmul", "kernels.triton.attention")
 WIRING_MODULE = "model.wiring_check"
@@ -195,26 +199,78 @@ def _child_env(interpret: bool) -> dict[str, str]:
 
 
 def _run_children(commands: list[tuple[list[str], bool]], timeout_s: float) -> list[dict]:
-    """Runs the children side by side; each one's JSON, or {"failed": reason} for one that did not give it."""
-    procs = [subprocess.Popen([sys.executable, "-m", "bankml.gpu_check", *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_child_env(interpret), cwd=ROOT)
-             for argv, interpret in commands]
-    deadline = time.monotonic() + timeout_s
+    """Runs the children side by side; each one's JSON, or {"failed": reason} for one that did not give it.
+
+    The limit is on the work, not the wall: a child is stopped when it has used more than `timeout_s`
+    seconds of CPU (itself and its own children), or when it has used none for `timeout_s` seconds (asleep
+    or blocked). A busy machine stretches the wall time of the same work, never its CPU time."""
+    outs = [tempfile.TemporaryFile("w+") for _ in commands]  # files, not pipes: no child blocks on a full pipe
+    errs = [tempfile.TemporaryFile("w+") for _ in commands]
+    procs = [subprocess.Popen([sys.executable, "-m", "bankml.gpu_check", *argv], stdout=out, stderr=err,
+                              text=True, env=_child_env(interpret), cwd=ROOT)
+             for (argv, interpret), out, err in zip(commands, outs, errs, strict=True)]
+    stopped = [_watch(proc, timeout_s) for proc in procs]
     results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            results.append({"failed": f"did not finish within {timeout_s:g} s"})
+    for proc, out, err, why in zip(procs, outs, errs, stopped, strict=True):
+        out.seek(0)
+        err.seek(0)
+        text, log = out.read(), err.read()
+        out.close()
+        err.close()
+        if why is not None:
+            results.append({"failed": why})
             continue
         try:
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            results.append(json.loads(text.strip().splitlines()[-1]))
         except (json.JSONDecodeError, IndexError):
-            tail = " | ".join(err.strip().splitlines()[-3:])
+            tail = " | ".join(log.strip().splitlines()[-3:])
             results.append({"failed": f"exited {proc.returncode} without its report: {tail[-500:]}"})
     return results
+
+
+def _watch(proc: subprocess.Popen, limit_s: float, poll_s: float = 0.25) -> str | None:
+    """Waits for `proc`; None when it ended by itself, else why it was stopped (see _run_children)."""
+    try:
+        watched = psutil.Process(proc.pid)
+    except psutil.Error:
+        watched = None
+    used = 0.0
+    idle_since = time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=poll_s)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        now_used = _cpu_s(watched) if watched is not None else used
+        if now_used > used:
+            used, idle_since = now_used, time.monotonic()
+        why = (f"used more than {limit_s:g} s of CPU" if used > limit_s else
+               f"used no CPU for {limit_s:g} s (asleep or blocked)" if time.monotonic() - idle_since > limit_s
+               else None)
+        if why is not None:
+            for p in [*(_children(watched) if watched is not None else []), proc]:
+                with contextlib.suppress(psutil.Error, OSError):
+                    p.kill()
+            proc.wait()
+            return why
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _cpu_s(p: psutil.Process) -> float:
+    """CPU seconds used by `p`, its running children and the children it has waited for."""
+    total = 0.0
+    for q in [p, *_children(p)]:
+        with contextlib.suppress(psutil.Error):
+            t = q.cpu_times()
+            total += t.user + t.system + (t.children_user + t.children_system if q is p else 0.0)
+    return total
 
 
 def _rows(checks: list[dict], variants: list[dict]) -> list[dict]:
@@ -278,7 +334,7 @@ def _ratio(check: dict) -> float:
 
 
 def check(kernel_modules: list[str] | None = None, wiring_module: str = WIRING_MODULE, jobs: int = 2,
-          timeout_s: float = 300) -> dict:
+          timeout_s: float = 1200) -> dict:
     """The three checks, merged: {"ok", "triton", "kernels", "wiring", "errors", "seconds",
     "interpret_seconds", "aot_seconds"} (the last two: each child's own time, the slowest AOT one).
     The caller has checked that triton is installed (`triton_version`)."""
