@@ -61,7 +61,10 @@ class _Vocabulary:
     """What llguidance's TokenizerWrapper reads off a tokenizer (llguidance/_tokenizer.py)."""
 
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        # weakly: llguidance's LLTokenizer keeps this object (its tokenize callback) and is _TOKENIZERS's value
+        # for this very tokenizer, so a strong reference kept every unloaded model's tokenizer and its
+        # LLTokenizer (~50 MB for SmolLM2's vocabulary) alive for good
+        self._tokenizer = weakref.ref(tokenizer)
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
         self.tokens = []
@@ -75,7 +78,10 @@ class _Vocabulary:
     def __call__(self, text: bytes | str) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        return self._tokenizer.encode(text, False, False)
+        tokenizer = self._tokenizer()
+        if tokenizer is None:
+            raise RuntimeError("the model's tokenizer was unloaded")
+        return tokenizer.encode(text, False, False)
 
 
 def lltokenizer(tokenizer, n_vocab: int | None = None) -> LLTokenizer:
