@@ -177,7 +177,10 @@ def test_from_a_derived_model_inherits_its_layer(registry):
 
 
 def test_from_a_pinned_path_and_refused_paths(registry, reg_dir, tmp_path):
-    assert run(registry, "by-path", f"FROM {reg_dir / BASE}\n")[-1] == "success"
+    """`bankml create` (a base_dir: the user's own machine) takes a pinned GGUF's path; the server's routes
+    never do (tests/test_registry_hygiene.py)."""
+    here = str(tmp_path)
+    assert run(registry, "by-path", f"FROM {reg_dir / BASE}\n", base_dir=here)[-1] == "success"
     assert run(registry, "relative", f"FROM ./{BASE}\n", base_dir=str(reg_dir))[-1] == "success"
     other = tmp_path / "Other.gguf"
     shutil.copyfile(reg_dir / BASE, other)
@@ -188,11 +191,11 @@ def test_from_a_pinned_path_and_refused_paths(registry, reg_dir, tmp_path):
              "FROM nobody": "FROM nobody: model 'nobody' not found"}
     for text, why in cases.items():
         with pytest.raises(InvalidRequest) as e:
-            run(registry, "x", text)
+            run(registry, "x", text, base_dir=here)
         assert why in e.value.message, text
     for value in ("~a\0b.gguf", "/x\0y.gguf"):  # the structured form keeps a NUL (a Modelfile drops it)
         with pytest.raises(InvalidRequest, match="no such file"):
-            run(registry, "x", {"from": value})
+            run(registry, "x", {"from": value}, base_dir=here)
     assert not (reg_dir / "x.MODEL.json").exists()
 
 

@@ -71,7 +71,8 @@ async def change_props(request, state):
 
 
 async def models(request, state):
-    return json_response(jstr.dumps({"object": "list", "data": v1_models_data(state.registry)}))
+    # off the loop: a derived model's manifest not read yet (or changed) is read and checked from disk
+    return json_response(jstr.dumps({"object": "list", "data": await _off_loop(v1_models_data, state.registry)}))
 
 
 async def tokenize(request, state):

@@ -12,12 +12,15 @@ Ollama applies a model's SYSTEM, MESSAGEs and PARAMETERs (server/routes.go).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
 import logging
 import os
 import re
+import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from gateway.http.timestamps import created_at_ns
 from gateway.serving.modelfile import (
     PARAMETERS,
     ModelSpec,
+    check_as_request,
     f32,
     format_number,
     parse_modelfile,
@@ -43,6 +47,9 @@ log = logging.getLogger("bankml.gateway")
 
 KIND = "bankml derived model (a layer over a pinned base; no weights)"
 MANIFEST_SUFFIX = ".MODEL.json"
+# One manifest's most bytes: a derived model's SYSTEM, MESSAGEs, LICENSEs and stops fit in far less; a bigger
+# file is refused when created and skipped (with a warning) when read, so no listing parses megabytes
+MAX_MANIFEST_BYTES = 1 << 20
 _NAME = re.compile(r"[a-z0-9._-]{1,128}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 SAFETENSORS_REFUSED = ("converting safetensors is out of scope for bankml serve (convert the model to GGUF with "
@@ -165,15 +172,28 @@ def _layer_from_json(raw: Any, where: str) -> tuple[Layer, str]:
     return layer, text
 
 
+def _too_big(file: str, size: int) -> InvalidRequest:
+    return InvalidRequest(f"{file} is {size} bytes, more than a derived model's manifest may hold "
+                          f"({MAX_MANIFEST_BYTES}): refused")
+
+
 def read_manifest(path: str) -> Derived:
-    """A manifest read back and its digest checked against its layer: a mismatch is a hand edit, refused."""
+    """A manifest read back and its digest checked against its layer: a mismatch is a hand edit, refused;
+    one over MAX_MANIFEST_BYTES is refused unread."""
     file = os.path.basename(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.loads(f.read())
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_MANIFEST_BYTES:
+                raise _too_big(file, size)
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
     except OSError as e:
         raise InvalidRequest(f"{file}: cannot read it: {e.strerror or e}") from e
-    except ValueError as e:
+    if len(raw) > MAX_MANIFEST_BYTES:  # grew since the fstat
+        raise _too_big(file, len(raw))
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is one
         raise InvalidRequest(f"{file} is not JSON ({e}): edited by hand, refused — create it again") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("base"), dict):
         raise InvalidRequest(f"{file} is not a derived model's manifest, refused — create it again")
@@ -233,13 +253,18 @@ def check_name(text: Any) -> str:
 
 
 class DerivedStore:
-    """The derived models of a registry directory. Every read goes to the file, so a manifest edited or a pin
-    changed after start-up is refused at the next request, not served from memory."""
+    """The derived models of a registry directory. Each manifest is parsed once per file identity (device,
+    inode, size, mtime): a manifest edited or replaced after start-up is read again, and refused, at the next
+    request, and one unchanged costs a stat, never a parse (a listing of megabytes of manifests stalled the
+    event loop for seconds). The base check runs on every read, against the registry's pins."""
 
     def __init__(self, directory: str | None):
         self.directory = directory
         self._pins: list[Any] = []
         self._warned: set[tuple[str, int]] = set()
+        # path -> (its identity when read, what reading it gave: the Derived or the refusal)
+        self._parsed: dict[str, tuple[tuple[int, int, int, int], Derived | BankmlError]] = {}
+        self._lock = threading.Lock()  # the loop and worker threads read through it
 
     def load(self, pins: list[Any]) -> None:
         """Bind to the registry's pins and read every manifest once, warning about the ones refused."""
@@ -251,13 +276,15 @@ class DerivedStore:
         return os.path.join(self.directory, name + MANIFEST_SUFFIX) if self.directory else None
 
     def get(self, name: str) -> Derived | None:
-        """The derived model of that name, re-read and checked; None if there is none. A manifest edited by
-        hand, or whose base pin changed, raises InvalidRequest."""
+        """The derived model of that name, checked; None if there is none. A manifest edited by hand, too
+        big, or whose base pin changed, raises InvalidRequest."""
         n = normalize_name(name) if isinstance(name, str) else ""
         path = self.path(n) if _NAME.fullmatch(n) else None
-        if path is None or not os.path.isfile(path):
+        if path is None:
             return None
-        d = read_manifest(path)
+        d = self._read(path)
+        if d is None:
+            return None
         self._check_base(d)
         return d
 
@@ -266,15 +293,45 @@ class DerivedStore:
         if not self.directory:
             return []
         out = []
-        for path in sorted(glob.glob(os.path.join(glob.escape(self.directory), "*" + MANIFEST_SUFFIX))):
+        paths = sorted(glob.glob(os.path.join(glob.escape(self.directory), "*" + MANIFEST_SUFFIX)))
+        with self._lock:
+            for gone in set(self._parsed) - set(paths):  # deleted or renamed: forgotten
+                del self._parsed[gone]
+        for path in paths:
             try:
-                d = read_manifest(path)
+                d = self._read(path)
+                if d is None:
+                    continue
                 self._check_base(d)
             except BankmlError as e:
                 self._warn(path, e.message)
                 continue
             out.append(d)
         return sorted(out, key=lambda d: d.name)
+
+    def _read(self, path: str) -> Derived | None:
+        """The manifest at `path`, parsed once per identity (None: no such file). Raises its refusal."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._parsed.get(path)
+        if cached is None or cached[0] != identity:
+            try:
+                result: Derived | BankmlError = read_manifest(path)
+            except BankmlError as e:
+                result = e
+            cached = (identity, result)
+            with self._lock:
+                self._parsed[path] = cached
+        result = cached[1]
+        if isinstance(result, BankmlError):
+            raise type(result)(result.message, **result.extra)  # a fresh copy: one instance gathers tracebacks
+        return result
 
     def _warn(self, path: str, message: str) -> None:
         try:
@@ -303,8 +360,19 @@ class DerivedStore:
 # --- create, copy, delete ----------------------------------------------------------------------------------
 
 
+MAX_SHOWN_FROM = 200  # a FROM longer than this is cut in a refusal (as registry.MAX_SHOWN_NAME cuts a name)
+
+
 def _is_path(value: str) -> bool:
+    """What the CLI's FROM takes for a file (spec §3.3)."""
     return "/" in value or value.startswith(".") or value.lower().endswith(".gguf")
+
+
+def _looks_like_a_file(value: str) -> bool:
+    """A server's FROM that could only be read as a file, never a model's name: a separator, a leading `.`
+    or `~`, a NUL (a pin's file name, `X.gguf`, is a name /v1/models lists: it resolves)."""
+    v = value.strip()
+    return "/" in v or "\\" in v or "\0" in v or v.startswith((".", "~"))
 
 
 def _fork_name(registry: Any, pin: Any) -> str:
@@ -319,41 +387,63 @@ def _fork_name(registry: Any, pin: Any) -> str:
             except (OSError, UnicodeDecodeError):
                 continue
     if not candidates:
-        raise InvalidRequest(f"{pin.file_name}: its FORK.json is not in the registry directory "
-                             f"{registry.directory}; a derived model records its base's pin there (copy the "
-                             "FORK.json that pins it into that directory)")
+        raise InvalidRequest(f"{pin.file_name}: its FORK.json is not in the registry directory; a derived model "
+                             "records its base's pin there (copy the FORK.json that pins it into that directory)")
     fork = os.path.abspath(candidates[0])
     inside = registry.directory and os.path.dirname(fork) == os.path.abspath(registry.directory)
     return os.path.basename(fork) if inside else fork
 
 
+def _not_served(registry: Any, value: str) -> InvalidRequest:
+    """The one refusal of a FROM that names no model this server serves: it echoes only what was sent, so a
+    client learns nothing of the server's files (whether a path exists, its home, its working directory)."""
+    return InvalidRequest(f"FROM {_shown_from(value)}: {registry.not_found(value).message}")
+
+
+def _shown_from(value: str) -> str:
+    return value if len(value) <= MAX_SHOWN_FROM else f"{value[:MAX_SHOWN_FROM]}… ({len(value)} characters)"
+
+
 def _resolve_from(registry: Any, value: str, base_dir: str | None) -> tuple[Any, Derived | None]:
-    """FROM to (the base pin, the derived model it inherits from or None), spec §3.3."""
-    if _is_path(value):
-        if "\0" in value:  # os.path.expanduser("~a\0b") raises ValueError: a 500
-            raise InvalidRequest(f"FROM {value!r}: no such file (a path holds no NUL character)")
-        path = os.path.expanduser(value)
-        if not os.path.isabs(path):
-            path = os.path.join(base_dir or os.getcwd(), path)
-        if os.path.isdir(path):
-            raise InvalidRequest(f"FROM {value}: a directory: {SAFETENSORS_REFUSED}")
-        if not os.path.isfile(path):
-            raise InvalidRequest(f"FROM {value}: no such file ({path})")
-        file = os.path.basename(path)
-        pin = next((p for p in registry.pins if p.file_name == file), None)
-        if pin is None:
-            raise InvalidRequest(f"FROM {value}: {file} is not pinned in the registry — bankml layers only on "
-                                 "pinned files (pin it with `bankml fork`, its FORK.json in the registry directory)")
-        if pin.path is None or not os.path.samefile(path, pin.path):
-            where = pin.path or "nowhere on this machine"
-            raise InvalidRequest(f"FROM {value}: the registry's {file} is {where}; FROM that file, or by its name "
-                                 f"{pin.name}")
-        return pin, None
+    """FROM to (the base pin, the derived model it inherits from or None), spec §3.3. `base_dir` None (a
+    server's /api/create and /api/copy): FROM names a model the server serves (a pin, a derived model, an
+    alias), anything else -- a path, existing or not -- is the one refusal `_not_served`. `base_dir` given
+    (`bankml create` on the user's own machine): a path names a pinned GGUF, relative to base_dir."""
+    if base_dir is None:
+        if _looks_like_a_file(value):
+            raise _not_served(registry, value)
+    elif _is_path(value):
+        return _pin_at_path(registry, value, base_dir), None
     try:
         resolved = registry.resolve(value)
-    except BankmlError as e:  # not found, or a derived model refused (edited by hand, its base changed)
-        raise InvalidRequest(f"FROM {value}: {e.message}") from None
+    except ModelNotFound:
+        raise _not_served(registry, value) from None
+    except BankmlError as e:  # a derived model refused (edited by hand, its base changed)
+        raise InvalidRequest(f"FROM {_shown_from(value)}: {e.message}") from None
     return resolved.pin, resolved.derived
+
+
+def _pin_at_path(registry: Any, value: str, base_dir: str) -> Any:
+    """The pin a local path names (the CLI's FROM ./x.gguf, relative to the Modelfile)."""
+    if "\0" in value:  # os.path.expanduser("~a\0b") raises ValueError: a 500
+        raise InvalidRequest(f"FROM {value!r}: no such file (a path holds no NUL character)")
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    if os.path.isdir(path):
+        raise InvalidRequest(f"FROM {value}: a directory: {SAFETENSORS_REFUSED}")
+    if not os.path.isfile(path):
+        raise InvalidRequest(f"FROM {value}: no such file ({path})")
+    file = os.path.basename(path)
+    pin = next((p for p in registry.pins if p.file_name == file), None)
+    if pin is None:
+        raise InvalidRequest(f"FROM {value}: {file} is not pinned in the registry — bankml layers only on "
+                             "pinned files (pin it with `bankml fork`, its FORK.json in the registry directory)")
+    if pin.path is None or not os.path.samefile(path, pin.path):
+        where = pin.path or "nowhere on this machine"
+        raise InvalidRequest(f"FROM {value}: the registry's {file} is {where}; FROM that file, or by its name "
+                             f"{pin.name}")
+    return pin
 
 
 def _merge(spec: ModelSpec, parent: Layer | None, base_sha256: str, template_sha256: str) -> Layer:
@@ -382,13 +472,22 @@ def _spec(spec: str | Mapping[str, Any] | ModelSpec) -> ModelSpec:
     return spec_from_request(spec)
 
 
+def _check_size(d: Derived) -> None:
+    size = len(manifest_text(d).encode("utf-8"))
+    if size > MAX_MANIFEST_BYTES:
+        raise InvalidRequest(f"{d.name}: its manifest would be {size} bytes, more than a derived model's may hold "
+                             f"({MAX_MANIFEST_BYTES}): shorten its SYSTEM, MESSAGEs, LICENSEs or stops")
+
+
 def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, ctx: int | None = None, *,
            base_dir: str | None = None) -> Iterator[str]:
     """Create (or replace) the derived model `name`, yielding Ollama's status lines as it goes (spec §3.3).
 
     `spec` is a Modelfile's text, the structured form of `/api/create`, or a ModelSpec; `ctx` the context the
-    server holds (a larger num_ctx is accepted with a warning); `base_dir` what a relative FROM path is relative
-    to. Nothing is written unless the base verified. Raises InvalidRequest."""
+    server holds (a larger num_ctx is accepted with a warning). `base_dir` None (the server's routes): FROM names
+    a model the server serves, and nothing else; given (`bankml create`): FROM may also be a pinned GGUF's path,
+    relative to it. The layer is checked as a request's fields are and its manifest's size bounded before the
+    base is verified; nothing is written unless the base verified. Raises InvalidRequest."""
     if not registry.directory:
         raise InvalidRequest("bankml serve was started without --registry: a derived model is written beside the "
                              "pins of the registry directory")
@@ -400,26 +499,31 @@ def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, 
     yield "parsing modelfile"
     pin, parent = _resolve_from(registry, parsed.from_, base_dir)
     if pin.path is None:
-        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} is pinned but not on this machine")
+        raise InvalidRequest(f"FROM {_shown_from(parsed.from_)}: {pin.file_name} is pinned but not on this machine")
     if not pin.native:
-        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} cannot be played by bankml: {pin.reason}")
-    fork = _fork_name(registry, pin)
-    yield f"verifying {pin.file_name} (the guard, then its sha256 against {fork})"
-    try:
-        gated = gate_model(pin.path, pin.fork_text, getattr(registry, "rule_set", "mainline"), pin.fork_path)
-    except BankmlError as e:
-        raise InvalidRequest(f"FROM {parsed.from_}: refuse: {e.message}") from e
-    sha = gated.verified.model_sha256
-    if sha != pin.sha256:
-        raise InvalidRequest(f"FROM {parsed.from_}: {pin.file_name} verified as {sha}, the registry pins "
-                             f"{pin.sha256}: refused")
-    yield f"using existing layer sha256:{sha}"
+        raise InvalidRequest(f"FROM {_shown_from(parsed.from_)}: {pin.file_name} cannot be played by bankml: {pin.reason}")
     template_sha256 = ""
     if parsed.template is not None:
         if pin.info is None or pin.info.chat_template != parsed.template:
             raise InvalidRequest(TEMPLATE_REFUSED)
         template_sha256 = hashlib.sha256(parsed.template.encode("utf-8")).hexdigest()
-    layer = _merge(parsed, parent.layer if parent else None, sha, template_sha256)
+    # the layer over the sha256 the registry pins: a base that verifies as anything else is refused below
+    layer = _merge(parsed, parent.layer if parent else None, pin.sha256, template_sha256)
+    check_as_request(layer.parameters, layer.stop)
+    fork = _fork_name(registry, pin)
+    d = Derived(n, created_at_ns(time.time_ns()), pin.name, pin.file_name, pin.sha256, fork, pin.path, layer,
+                layer_digest(layer), os.path.abspath(registry.derived.path(n)))
+    _check_size(d)
+    yield f"verifying {pin.file_name} (the guard, then its sha256 against {fork})"
+    try:
+        gated = gate_model(pin.path, pin.fork_text, getattr(registry, "rule_set", "mainline"), pin.fork_path)
+    except BankmlError as e:
+        raise InvalidRequest(f"FROM {_shown_from(parsed.from_)}: refuse: {e.message}") from e
+    sha = gated.verified.model_sha256
+    if sha != pin.sha256:
+        raise InvalidRequest(f"FROM {_shown_from(parsed.from_)}: {pin.file_name} verified as {sha}, the registry "
+                             f"pins {pin.sha256}: refused")
+    yield f"using existing layer sha256:{sha}"
     num_ctx = layer.parameters.get("num_ctx")
     if ctx is not None and num_ctx is not None and num_ctx > ctx:
         log.warning("bankml create: %s asks num_ctx %d; this server holds %d — its requests are refused until "
@@ -432,10 +536,9 @@ def create(registry: Any, name: str, spec: str | Mapping[str, Any] | ModelSpec, 
         yield "creating license layer"
     if layer.messages:
         yield "creating messages layer"
-    digest = layer_digest(layer)
-    yield f"writing manifest {n}{MANIFEST_SUFFIX} (digest {digest})"
-    d = Derived(n, created_at_ns(time.time_ns()), pin.name, pin.file_name, sha, fork, gated.path, layer, digest,
-                os.path.abspath(registry.derived.path(n)))
+    d = dataclasses.replace(d, base_path=gated.path)
+    _check_size(d)
+    yield f"writing manifest {n}{MANIFEST_SUFFIX} (digest {d.digest})"
     write_manifest(d)
     yield "success"
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from bankml.errors import InvalidRequest
+from bankml.errors import BankmlError, InvalidRequest
+from gateway.serving.request_fields import read_fields
+from model.messages import SamplingParams
 
 INSTRUCTIONS = ("from", "license", "template", "system", "adapter", "parameter", "message", "requires")
 ROLES = ("system", "user", "assistant")
@@ -308,6 +310,25 @@ def format_number(v: int | float) -> str:
     if "." in out:
         out = out.rstrip("0").rstrip(".")
     return out
+
+
+# The PARAMETERs a request reads as llama-server's sampling fields (num_ctx fits the prompt, num_predict is the
+# length: each dialect reads those two its own way)
+_SAMPLING_FIELDS = tuple(k for k in PARAMETERS if k not in ("num_ctx", "num_predict"))
+
+
+def check_as_request(parameters: Mapping[str, int | float], stop: tuple[str, ...] | list[str]) -> None:
+    """A derived model's sampling parameters and stops, read by the rules every request's are read by
+    (request_fields.read_fields: at most MAX_STOPS stops of MAX_STOP_BYTES each, a repeat_penalty whose
+    inverse is finite...), so a model is refused when it is created, with the message each of its requests
+    would get, rather than created and then never able to answer."""
+    request: dict[str, Any] = {k: parameters[k] for k in _SAMPLING_FIELDS if k in parameters}
+    request["stop"] = list(stop)
+    try:
+        read_fields(request, SamplingParams())
+    except BankmlError as e:
+        raise InvalidRequest(f"{e.message} (a request for this model would be refused so: it could never "
+                             "answer)") from None
 
 
 def _set_parameter(spec: ModelSpec, key: str, text: str) -> None:

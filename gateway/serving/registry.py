@@ -316,9 +316,13 @@ class Registry:
         matches = [p for p in self.pins if alias_base(p.name) == key]
         if len(matches) == 1:
             return Resolved(matches[0], None, matches[0].tag)
+        raise self.not_found(text)
+
+    def not_found(self, text: str) -> ModelNotFound:
+        """The 404 of a name that resolves to nothing: the name as sent (cut), and what is served."""
         known = self.names() + [d.name for d in self.derived.all()]
         shown = text if len(text) <= MAX_SHOWN_NAME else text[:MAX_SHOWN_NAME]
-        raise ModelNotFound(f"model '{shown}' not found: bankml serves pinned models only ({', '.join(known)})")
+        return ModelNotFound(f"model '{shown}' not found: bankml serves pinned models only ({', '.join(known)})")
 
 
 def derived_with_base(registry: Registry) -> list[tuple[Derived, Pin]]:
