@@ -33,9 +33,10 @@ log = logging.getLogger("bankml.gateway")
 
 SHUTTING_DOWN = "bankml serve is shutting down"
 ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200 ms) get to reach the wire
-# after the grace and ENDED_CLOSE_S: Sanic's own stop (nothing left to wait for), the engine threads'
-# stop, the monitor's close and the interpreter's exit; past it, the watchdog ends the process
-EXIT_MARGIN_S = 5.0
+# after the grace and ENDED_CLOSE_S: Sanic's own stop (GRACEFUL_SHUTDOWN_TIMEOUT, 2 s), then the engine
+# threads' stop (a 5 s join each) or P0's llama-server's (SIGKILL after 5 s), the monitor's close and the
+# interpreter's exit; past it, the watchdog ends the process
+EXIT_MARGIN_S = 10.0
 FORCED_EXIT = 1  # the exit status of a process the watchdog ended (a normal stop exits 0, P0 128 + signal)
 
 
