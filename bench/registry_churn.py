@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,9 @@ def main() -> None:
             rounds = asyncio.run(churn(res, names, args.rounds, args.tokens))
         finally:
             res.stop_all()
+        for t in threading.enumerate():  # a compile still running as the interpreter exits aborts it
+            if t.name in ("bankml-compile", "lltokenizer"):
+                t.join()
         gc.collect()
         later = [r["rss_mb"] for r in rounds[1:]]
         per_load = (later[-1] - later[0]) / ((len(later) - 1) * len(names)) if len(later) > 1 else None
