@@ -16,6 +16,7 @@ unavailable_error), so a balancer routes away; /health is 200 again as soon as t
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -24,6 +25,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from bankml.errors import EngineGone
+
+_serving: Liveness | None = None  # the server's in this process, once it started (Liveness.install)
+
+
+def serving() -> Liveness | None:
+    """The Liveness of the server running in this process; None before one started."""
+    return _serving
 
 
 class Wedged(EngineGone):
@@ -111,6 +119,14 @@ class Liveness:
     def __init__(self, pool: WorkerPool | None, wedged_after_s: float):
         self.pool = pool
         self.wedged_after_s = wedged_after_s
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        """As the server starts: its pool becomes the loop's default executor, and this the process's
+        `serving()` (what /bankml's "health" and the status page report)."""
+        global _serving
+        if self.pool is not None:
+            loop.set_default_executor(self.pool)
+        _serving = self
 
     def problems(self, resident: Iterable[_Resident]) -> list[str]:
         """Why the server is wedged, one line per stuck place; [] when everything moves."""

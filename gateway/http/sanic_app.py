@@ -12,7 +12,8 @@ the query itself (`query_of`). A route whose path ends in `/{id}` (`POST /slots/
 last segment, and reads it from the raw target itself.
 
 The loop's default executor (every `asyncio.to_thread`) is a `liveness.WorkerPool`, which counts its
-work, and `app.ctx.liveness` reads it with the engines for /health's wedge check (liveness.py).
+work, and `app.ctx.liveness` (also `liveness.serving()`) reads it with the engines for /health's wedge check and
+/bankml's "health" (liveness.py).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
 
     @app.before_server_start
     async def own_workers(app):
-        asyncio.get_running_loop().set_default_executor(workers)
+        app.ctx.liveness.install(asyncio.get_running_loop())
 
     @app.on_response
     async def cors(request, response):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from bankml import jstr
+from gateway.http import liveness
 from gateway.http.errors import json_response
 from gateway.monitor.answer_metrics import KEEP  # noqa: F401  (P0 answers with the ring's size)
 
@@ -43,7 +44,15 @@ def bankml_info(state) -> dict[str, Any]:
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
         **({"model_signer": last.verified.model_signer} if last and last.verified.model_signer else {}),
         **_edge(res, access),
+        **_health(res),
     }
+
+
+def _health(res) -> dict[str, Any]:
+    """bankml's own "health" (the server's, once it serves): "ok", or "wedged" and why (what /health's
+    503 says), and the loop's worker threads (gateway/http/liveness.py)."""
+    live = liveness.serving()
+    return {"health": live.report(res.resident())} if live is not None else {}
 
 
 def _edge(res, access) -> dict[str, Any]:
@@ -74,9 +83,7 @@ def _weights_report(state) -> dict[str, Any] | None:
 
 
 async def bankml(request, state):
-    # bankml's own "health": "ok", or "wedged" and why (what /health's 503 says), and the loop's workers
-    info = {**bankml_info(state), "health": request.app.ctx.liveness.report(state.residency.resident())}
-    return json_response(jstr.dumps(info))
+    return json_response(jstr.dumps(bankml_info(state)))
 
 
 async def receipt_key(request, state):
