@@ -1,7 +1,7 @@
 """llama.cpp's own server tests (tools/server/tests/unit) against `bankml serve --native` in place of
 llama-server, with the default model (SmolLM2) for every model the tests name. Prints JSON.
 
-    python bench/llama_server_suite.py --tests DIR [--relax-text] [--out FILE] [unit files...]
+    python bench/llama_server_suite.py --tests DIR [-k EXPR] [--relax-text] [--out FILE] [unit files...]
 
 DIR is a copy of llama.cpp's tools/server/tests (utils.py, conftest.py, unit/); the tests that give
 --chat-template-file read ../../../models/templates/ from it, so copy models/templates beside it as in
@@ -142,10 +142,13 @@ def read_junit(path: Path) -> dict:
     return {**counts, "failures": failures}
 
 
-def run_file(tests: Path, name: str, env: dict, work: Path, timeout_s: int, keep_logs: Path | None) -> dict:
+def run_file(tests: Path, name: str, env: dict, work: Path, timeout_s: int, keep_logs: Path | None,
+             select: str | None) -> dict:
     junit = work / f"{name}.xml"
     cmd = [sys.executable, "-m", "pytest", f"unit/{name}", "-p", PLUGIN, "-p", "no:cacheprovider",
            "-o", f"timeout={timeout_s}", f"--junitxml={junit}", "-q", "-rN"]
+    if select:
+        cmd += ["-k", select]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if keep_logs is not None:
@@ -165,6 +168,7 @@ def main() -> None:
     p.add_argument("--relax-text", action="store_true", help="utils.match_regex always true (tinyllama's words)")
     p.add_argument("--prewarm", default=DEFAULT_PREWARM,
                    help="CTX/PARALLEL shapes started once first, comma-separated ('' for none; %(default)s)")
+    p.add_argument("-k", dest="select", help="pytest -k: only the tests this expression selects")
     p.add_argument("--timeout", type=int, default=900, help="pytest-timeout per test, seconds (a hang guard)")
     p.add_argument("--logs", type=Path, help="keep each file's pytest output here")
     p.add_argument("--out", type=Path, help="also write the JSON here")
@@ -193,14 +197,14 @@ def main() -> None:
         for name in args.files:
             name = Path(name).name
             print(f"llama_server_suite: {name} ...", file=sys.stderr, flush=True)
-            files[name] = run_file(tests, name, env, work, args.timeout, args.logs)
+            files[name] = run_file(tests, name, env, work, args.timeout, args.logs, args.select)
             r = files[name]
             print(f"llama_server_suite: {name}: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped "
                   f"in {r['wall_s']} s", file=sys.stderr, flush=True)
 
     totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
     report = {"bench": "llama_server_suite", "server": "bankml serve --native (bench/llama_server_shim.py)",
-              "tests": str(tests), "relax_text": args.relax_text, "prewarm": warm, "totals": totals,
+              "tests": str(tests), "select": args.select, "relax_text": args.relax_text, "prewarm": warm, "totals": totals,
               "files": files}
     text = json.dumps(report, indent=2)
     if args.out:
