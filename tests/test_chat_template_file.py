@@ -182,7 +182,8 @@ def test_the_real_engine_answers_with_it_behind_a_key(tmp_path, bankml_cmd, smol
         assert doc["usage"]["prompt_tokens"] == rec["prompt_tokens"]
         assert doc["bankml_receipt"]["chat_template_sha256"] == hashlib.sha256(template.read_bytes()).hexdigest()
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=s.url("/v1"), api_key="sk-other", max_retries=0).models.list()
+            openai.OpenAI(base_url=s.url("/v1"), api_key="sk-other", max_retries=0).chat.completions.create(
+                model="smollm2-135m-instruct.q4_1", messages=rec["messages"], max_tokens=1)
     finally:
         s.stop()
 

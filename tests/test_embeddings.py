@@ -105,9 +105,13 @@ COUNTED = {"too_large", "too_large_llama"}
 # the JSON parser's own words are gateway/openai/chat_request.py's (shared with /v1/chat/completions)
 PARSER = {"not_json"}
 OURS = {"dimensions_other", "dimensions_same"}
+# recorded from b11434; later llama-server builds embed an empty input (200, test_embedding.py) and refuse media
+# on a text model with a 400: test_llama_server_edges.py holds those answers
+LATER = {"content_empty", "empty_in_list", "empty_string", "part_text_number",
+         "content_audio", "content_image", "multimodal_data"}
 
 
-@pytest.mark.parametrize("name", sorted(set(FIXTURE["refusals"]) - OURS))
+@pytest.mark.parametrize("name", sorted(set(FIXTURE["refusals"]) - OURS - LATER))
 def test_refusals_are_llama_servers(server, name):
     rec = FIXTURE["refusals"][name]
     r = post(server, rec["path"], rec["request"])

@@ -85,6 +85,11 @@ def test_an_empty_embedding_input_has_a_vector(server):
     assert body["usage"]["prompt_tokens"] == 1  # the model's BOS (else EOS) stands for the empty text
     listed = post(server, "/v1/embeddings", {"input": ["hello", ""]})
     assert listed.status_code == 200 and len(listed.json()["data"]) == 2
+    for empty in ({"content": []}, {"content": [{"type": "text", "text": 3}]}):  # no text part: as ""
+        again = post(server, "/v1/embeddings", {"input": empty})
+        assert again.status_code == 200 and again.json()["data"][0]["embedding"] == body["data"][0]["embedding"]
+    multimodal = post(server, "/v1/embeddings", {"input": {"prompt_string": "x", "multimodal_data": []}})
+    assert multimodal.status_code == 400, multimodal.text
 
 
 @pytest.mark.parametrize("part, kind", [
