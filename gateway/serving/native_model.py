@@ -40,14 +40,17 @@ class NativeModel:
         return cls(engine.tokenizer, int(engine.n_ctx), template if isinstance(template, str) else None,
                    gguf_defaults(kv))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The prompt text for a conversation (llama-server's /apply-template), `tools` passed to the
-        template (gateway/serving/tool_calls.py); a template error is a 400."""
+        template (gateway/serving/tool_calls.py), `template_kwargs` its other variables (chat_template_kwargs:
+        enable_thinking and the like, gateway/serving/reasoning.py); a template error is a 400."""
         tok = self.tokenizer
         try:
             return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=tok.bos_token, eos_token=tok.eos_token,
-                               add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos), tools=tools)
+                               add_bos=bool(tok.add_bos), add_eos=bool(tok.add_eos), tools=tools,
+                               extra_context=template_kwargs)
         except TemplateError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -61,13 +64,13 @@ class NativeModel:
         return [int(t) for t in ids]
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> list[int]:
+               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added).
 
         The tokenizer stops once a prompt is sure not to fit: up to `count_limit` tokens the count in
         llama-server's exceed_context_size_error is exact, beyond it the count made so far ("at least").
         """
-        text = self.render(messages, add_generation_prompt, tools)
+        text = self.render(messages, add_generation_prompt, tools, template_kwargs)
         try:
             return self.tokenize(text, add_special=True, parse_special=True, limit=self.count_limit)
         except TokenLimitExceeded as e:
