@@ -10,6 +10,9 @@ prompt, so one server serves every test:
 - "BROKEN": after 2 pieces every iteration raises, for good (an engine that cannot step any more);
 - "HANG:<fifo>": its first step blocks the engine thread until the test opens the fifo for writing
   and closes it (a wedged engine, released by the test);
+- "THINK": THOUGHT_PIECES (a thought between <think> tags, then REPLY), as a reasoning model answers;
+- "CALLTOOL": CALL_PIECES (a call of get_weather in the generic JSON form, tool_calls.py's
+  {"tool_call": {...}}), as a model answers a tool request;
 - otherwise the fixed REPLY, piece by piece, each step `step_s` long; `max_tokens` gives "length".
 It serves `max_seqs` generations at once (one by default), each advanced a step per iteration
 (tests/batch_adapter.py). Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
@@ -35,6 +38,9 @@ from model.slot_file import Expect, Slot, SlotBusy
 SLOT_LAYOUT = (1, 32, "f16", 1 << 16)  # the fake's slot files: n_layers, width, cache type, n_vocab
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
 REPLY = "".join(REPLY_PIECES)
+THOUGHT = "The user greets me. I answer."
+THOUGHT_PIECES = ["<th", "ink>", "\nThe user", " greets me.", " I answer.", "\n</", "think>", "\n\n", *REPLY_PIECES]
+CALL_PIECES = ['{"tool_call": ', '{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}}']
 STEP_FAILED = "the fake engine's step failed on purpose"
 HANG = re.compile(rb"HANG:([^\s<\"]+)")
 
@@ -139,7 +145,8 @@ class FakeEngine(GeneratorBatch):
         if hang:
             with open(hang.group(1), "rb") as fifo:  # blocks until the test opens it for writing
                 fifo.read()  # and until it closes it
-        pieces = ["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail else REPLY_PIECES
+        pieces = (["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail
+                  else THOUGHT_PIECES if "THINK" in tail else CALL_PIECES if "CALLTOOL" in tail else REPLY_PIECES)
         n, how = 0, "aborted"
         try:
             for i, piece in enumerate(pieces):

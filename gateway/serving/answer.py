@@ -62,6 +62,7 @@ class Work:
     n_ctx: int | None = None  # every prompt must be shorter; None: the dialect fitted them itself
     progress: bool = False
     id_slot: int = -1  # llama-server's id_slot; -1: any free slot (what the scheduler reads)
+    reasoning: Any = None  # reasoning.Reasoning: how the answer thinks (its budget enforced here); None: as the template
 
     def requests(self) -> list[GenerateRequest]:
         return [GenerateRequest(ids, self.params, request_id=self.ids[i * self.n + j], return_progress=self.progress,
