@@ -31,6 +31,7 @@ from bankml.config import EngineConfig, ServeOptions
 from bankml.errors import ConfigInvalid, refuse_start
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
+from gateway.anthropic import messages as anthropic_messages
 from gateway.http.access import Access
 from gateway.http.loopback import Limits, make_protocol
 from gateway.http.sanic_app import bind, sanic_app
@@ -108,8 +109,8 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/v1/reranking"): refusals.RERANK,
     ("GET", "/lora-adapters"): refusals.lora_adapters,
     ("POST", "/lora-adapters"): refusals.LORA_CHANGE,
-    ("POST", "/v1/messages"): refusals.ANTHROPIC,
-    ("POST", "/v1/messages/count_tokens"): refusals.ANTHROPIC,
+    ("POST", "/v1/messages"): anthropic_messages.create,  # issue 29: Anthropic's Messages API
+    ("POST", "/v1/messages/count_tokens"): anthropic_messages.count_tokens,
     ("POST", "/v1/responses"): refusals.RESPONSES,
     ("POST", "/responses"): refusals.RESPONSES,
     ("POST", "/v1/responses/input_tokens"): refusals.RESPONSES,

@@ -2,9 +2,11 @@
 
 - a `BankmlError` (Refused, ModelUnusable, ContextExceeded, ...) gets its status from bankml/errors.py's
   table, per API, chosen by the request's path: `/api/*` is Ollama's (`{"error": "<message>"}`),
+  `/v1/messages*` Anthropic's (`{"type": "error", "error": {"type", "message"}}`, the type by status),
   `/v1/*` OpenAI's and every other route llama-server's: `{"error": {"code", "message", "type"}}`
   plus the error's extra keys (exceed_context_size_error's `n_prompt_tokens` and `n_ctx`), which the
-  `openai` client reads as the error's message;
+  `openai` client reads as the error's message; the loopback rules' refusals of an Anthropic route
+  (413, 415, ...) get Anthropic's shape too (`anthropic_refusal`), so its SDK reads every error;
 - an `Overloaded` (the engine's waiting queue is full) is a 503 in every API's shape, with a
   `Retry-After` header in seconds, as an HTTP client's retry logic (the `openai` client's included)
   reads it;
@@ -31,6 +33,7 @@ class Api(enum.Enum):
     OPENAI = "openai"  # /v1/*
     LLAMA = "llama"  # llama-server's own routes, and bankml's
     OLLAMA = "ollama"  # /api/*
+    ANTHROPIC = "anthropic"  # /v1/messages, /v1/messages/count_tokens
 
 
 # the 404 of an unknown /api route or a wrong method (the Rust bankml's, bankML/ollama.rs)
@@ -38,7 +41,15 @@ OLLAMA_ROUTES_TEXT = ("bankml serve --native (Ollama API): GET /api/version /api
                       "/api/chat /api/generate /api/embed /api/embeddings /api/create /api/copy, DELETE /api/delete")
 
 
+# Anthropic's error types by status (docs.anthropic.com/en/api/errors); any other 5xx is api_error
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error", 529: "overloaded_error"}
+
+
 def api_of(path: str) -> Api:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return Api.ANTHROPIC
     if path.startswith("/api/"):
         return Api.OLLAMA
     if path.startswith("/v1/"):
@@ -48,13 +59,21 @@ def api_of(path: str) -> Api:
 
 def status_of(error: BankmlError, api: Api = Api.OPENAI) -> int:
     row = codes(error)
-    return {Api.OPENAI: row.openai, Api.LLAMA: row.llama, Api.OLLAMA: row.ollama}[api]
+    return {Api.OPENAI: row.openai, Api.LLAMA: row.llama, Api.OLLAMA: row.ollama, Api.ANTHROPIC: row.openai}[api]
+
+
+def anthropic_error(status: int, message: str) -> str:
+    """Anthropic's error object (its SDK picks the exception by status, and reads `error.type`)."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return jstr.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
 def error_body(error: BankmlError, api: Api = Api.OPENAI) -> str:
     """The JSON text of `error` in `api`'s shape."""
     if api is Api.OLLAMA:
         return jstr.dumps({"error": error.message})
+    if api is Api.ANTHROPIC:
+        return anthropic_error(status_of(error, api), error.message)
     return jstr.dumps({"error": {"code": status_of(error, api), "message": error.message, "type": codes(error).type,
                                  **error.extra}})
 
@@ -103,8 +122,8 @@ class GatewayErrorHandler(ErrorHandler):
             # (the routes' list) except under /v1, where OpenAI's clients read llama-server's JSON 404, and
             # under /api, where Ollama's read {"error"} naming Ollama's routes
             path = getattr(request, "path", "")
-            if api_of(path) is Api.OPENAI:
-                return render(RouteNotFound("File Not Found"), Api.OPENAI)
+            if api_of(path) in (Api.OPENAI, Api.ANTHROPIC):
+                return render(RouteNotFound("File Not Found"), api_of(path))
             if api_of(path) is Api.OLLAMA:
                 return render(RouteNotFound(OLLAMA_ROUTES_TEXT), Api.OLLAMA)
             return text_response(self.not_found_text, 404)

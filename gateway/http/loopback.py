@@ -38,6 +38,7 @@ from sanic.models.server_types import ConnInfo
 from sanic.server.protocols.http_protocol import HttpProtocol
 
 from bankml.config import LimitsConfig
+from gateway.http.errors import Api, anthropic_error, api_of
 from gateway.http.shutdown import SHUTTING_DOWN, Shutdown, sse_error_event
 
 log = logging.getLogger("bankml.gateway")
@@ -211,6 +212,10 @@ def check_head(head: Head, limits: Limits, access: Any = None, port: int = 0) ->
     """Rules 2-6 and 8 on a complete head, that came in at `port`; None when the request may go on.
     `access` (access.Access) holds the origin and key rules; without one, every OPTIONS is 403."""
     refusal = _check_head(head, limits, access, port)
+    if refusal is not None and refusal.status != 204 and refusal.content_type.startswith("text/plain") \
+            and api_of(head.target.partition("?")[0]) is Api.ANTHROPIC:  # its SDK reads JSON errors only
+        refusal = replace(refusal, text=anthropic_error(refusal.status, refusal.text),
+                          content_type="application/json; charset=utf-8")
     if refusal is not None and refusal.drain_bytes is None:
         n = content_length(head)
         if not isinstance(n, Refusal):
