@@ -71,6 +71,8 @@ class LimitsConfig:
     # --native: /health is 503 once an engine, or every one of the loop's worker threads, has had work
     # waiting this long without completing any (gateway/http/liveness.py); 200 again when it moves
     wedged_after_s: float = 120.0
+    # --native: the Responses API's stored responses (store: true), least recently used evicted past this
+    responses_store_bytes: int = 64 << 20
 
     @property
     def max_head_bytes(self) -> int:

@@ -67,6 +67,10 @@ class ModelNotFound(BankmlError):
     """No pinned model has the requested name."""
 
 
+class ResponseNotFound(BankmlError):
+    """No stored response has this id (OpenAI's Responses API: never stored, deleted or evicted)."""
+
+
 class RouteNotFound(BankmlError):
     """No route has this method and exact path (an OpenAI client reads the message of a JSON 404)."""
 
@@ -172,6 +176,7 @@ TABLE: dict[type[BankmlError], Codes] = {
     ModelUnusable: Codes(503, 503, 503, "unavailable_error", EXIT_REFUSED),
     ModelNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
     RouteNotFound: Codes(404, 404, 404, "not_found_error", EXIT_UNREADABLE),
+    ResponseNotFound: Codes(404, 404, 404, "invalid_request_error", EXIT_UNREADABLE),  # OpenAI's type
     InvalidRequest: Codes(400, 400, 400, "invalid_request_error", EXIT_UNREADABLE),
     RequestFailed: Codes(500, 500, 400, "server_error", EXIT_UNREADABLE),
     Unauthorized: Codes(401, 401, 401, "authentication_error", EXIT_REFUSED),

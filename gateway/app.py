@@ -52,6 +52,8 @@ from gateway.openai import (
 from gateway.openai import slots as slot_route
 from gateway.openai.chat import chat_completions
 from gateway.openai.embeddings import embedding, oai_embeddings
+from gateway.responses import routes as responses
+from gateway.responses.store import ResponseStore
 from gateway.serving.registry import Registry
 from gateway.serving.residency import Estimate, Loader, Residency
 from gpu_monitor import limiter
@@ -111,10 +113,16 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/lora-adapters"): refusals.LORA_CHANGE,
     ("POST", "/v1/messages"): anthropic_messages.create,  # issue 29: Anthropic's Messages API
     ("POST", "/v1/messages/count_tokens"): anthropic_messages.count_tokens,
-    ("POST", "/v1/responses"): refusals.RESPONSES,
-    ("POST", "/responses"): refusals.RESPONSES,
-    ("POST", "/v1/responses/input_tokens"): refusals.RESPONSES,
-    ("POST", "/responses/input_tokens"): refusals.RESPONSES,
+    ("POST", "/v1/responses"): responses.create,  # issue 29: OpenAI's Responses API (gateway/responses/)
+    ("POST", "/responses"): responses.create,
+    ("POST", "/v1/responses/input_tokens"): responses.input_tokens,
+    ("POST", "/responses/input_tokens"): responses.input_tokens,
+    ("GET", "/v1/responses/{id}"): responses.retrieve,
+    ("GET", "/responses/{id}"): responses.retrieve,
+    ("DELETE", "/v1/responses/{id}"): responses.delete,
+    ("DELETE", "/responses/{id}"): responses.delete,
+    ("GET", "/v1/responses/{id}/input_items"): responses.input_items,
+    ("GET", "/responses/{id}/input_items"): responses.input_items,
     ("POST", "/v1/chat/completions/input_tokens"): llama_routes.count_tokens,
     ("POST", "/chat/completions/input_tokens"): llama_routes.count_tokens,
     ("POST", "/v1/chat/completions/control"): refusals.CONTROL,
@@ -156,6 +164,8 @@ class GatewayState:
     monitoring: Monitoring | None = None  # usage, the ring of answers, energy, Prometheus
     access: Access = field(default_factory=Access)  # the origin and API key rules (the keys as digests only)
     slot_dir: str | None = None  # --slot-dir: where POST /slots/{id} saves and restores (None: refused)
+    # the Responses API's stored responses ([limits] responses_store_bytes)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(Limits().responses_store_bytes))
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
@@ -302,6 +312,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     compat_listen = _address(*sockets[1].getsockname()[:2])
     state = GatewayState(registry, residency, compat_listen, options.receipt_key,
                          access=Access.of(options.api_keys, options.allowed_origins), slot_dir=options.slot_dir)
+    state.responses = ResponseStore(limits.responses_store_bytes)
     state.monitoring = native_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:

@@ -156,7 +156,6 @@ def test_post_props_is_refused_whatever_the_body(server):
 @pytest.mark.parametrize("method,path", [
     ("POST", "/rerank"), ("POST", "/reranking"), ("POST", "/v1/rerank"), ("POST", "/v1/reranking"),
     ("POST", "/lora-adapters"),
-    ("POST", "/v1/responses"), ("POST", "/responses"), ("POST", "/v1/responses/input_tokens"),
     ("POST", "/v1/chat/completions/control"), ("POST", "/v1/audio/transcriptions"), ("POST", "/v1/systemone"),
     ("GET", "/v1/stream"), ("POST", "/v1/streams/lookup"),
 ])

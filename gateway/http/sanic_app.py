@@ -9,7 +9,8 @@ runs before the head of every answer goes out, streamed, refused by a route or f
 A target matches a route exactly; only a handler marked `takes_query` (llama-server's `GET /slots`,
 whose clients send `?fail_on_no_slot=1`) is also reached by its path followed by `?query`, and reads
 the query itself (`query_of`). A route whose path ends in `/{id}` (`POST /slots/{id}`) takes any
-last segment, and reads it from the raw target itself.
+last segment, and reads it from the raw target itself; one whose id is the segment before the last
+(`GET /v1/responses/{id}/input_items`) takes any segment there.
 
 The loop's default executor (every `asyncio.to_thread`) is a `liveness.WorkerPool`, which counts its
 work, and `app.ctx.liveness` (also `liveness.serving()`) reads it with the engines for /health's wedge check and
@@ -96,6 +97,11 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
                 handler = None
         if handler is None:  # a route with a last segment of its own, e.g. POST /slots/{id}
             handler = routes.get((request.method, path.rpartition("/")[0] + "/{id}"))
+            if handler is not None and "?" in target and not getattr(handler, "takes_query", False):
+                handler = None
+        if handler is None:  # an id before the last segment, e.g. GET /v1/responses/{id}/input_items
+            head, _, last = path.rpartition("/")
+            handler = routes.get((request.method, head.rpartition("/")[0] + "/{id}/" + last))
             if handler is not None and "?" in target and not getattr(handler, "takes_query", False):
                 handler = None
         if handler is None:

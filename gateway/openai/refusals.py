@@ -27,8 +27,6 @@ def refusal(why: str):
 RERANK = refusal("bankml serve --native does not serve reranking: it runs no reranker model "
                  "(llama-server's --reranking)")
 LORA_CHANGE = refusal("bankml serve --native loads no LoRA adapters: there are none to change")
-RESPONSES = refusal("bankml serve --native does not serve OpenAI's Responses API (/v1/responses) yet: "
-                    "use /v1/chat/completions (/v1/chat/completions/input_tokens counts a prompt)")
 CONTROL = refusal("bankml serve --native does not serve /v1/chat/completions/control: a running "
                   "completion is stopped by closing its connection")
 TRANSCRIPTIONS = refusal("The current model does not support audio input.")  # llama-server's words, true here
