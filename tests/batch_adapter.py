@@ -35,6 +35,7 @@ class FakeTokenizer:
         return list(text.encode("utf-8"))  # the whole text, whatever the limit: the fake's tokens are cheap
 
     n_vocab = 256  # one token per byte value
+    attrs = (8,) + (4,) * 255  # TokenAttr: NUL is the control token (the end), every other byte NORMAL
 
     def token_to_piece(self, token: int, special: bool) -> bytes:
         return bytes([token])

@@ -82,4 +82,4 @@ def _prompt(model, chat: ChatRequest, req: MessagesRequest) -> tuple[list[int], 
     # the thought's tags: the template's, or <think> when the request asks for thinking on one that names none
     tags = thought_tags(model.chat_template) or (TAGS[0] if req.thinking else None)
     opened = tags is not None and started(model.render(messages, True, tools, kwargs), tags)
-    return prompt, Cut(tags, opened, plan)
+    return prompt, Cut(tags, opened, plan, req.omit_thought)

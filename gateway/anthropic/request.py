@@ -29,9 +29,12 @@ from gateway.serving.reasoning import Reasoning
 CREATE_FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
                            "top_k", "tools", "tool_choice", "thinking", "metadata", "stream", "service_tier",
                            "container", "mcp_servers", "context_management", "output_format", "output_config",
-                           "inference_geo"})
+                           "inference_geo", "cache_control", "diagnostics", "speed", "user_profile_id",
+                           "workspace_id"})
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "mcp_servers",
-                          "context_management", "output_format", "output_config"})
+                          "context_management", "output_format", "output_config", "cache_control"})
+# accepted and not acted on, as none changes the answer: `cache_control` (the prefix cache is always on),
+# `speed`, `service_tier` (one machine, one speed), `user_profile_id`, `workspace_id`, `metadata` (attribution)
 # Anthropic's fields we cannot honour: each a 400 naming it
 REFUSED_FIELDS = {
     "container": "no code-execution containers",
@@ -40,6 +43,7 @@ REFUSED_FIELDS = {
     "output_format": "no structured outputs on /v1/messages yet (use /v1/chat/completions' response_format)",
     "output_config": "no output configuration",
     "inference_geo": "one machine answers",
+    "diagnostics": "no prompt-cache diagnostics",
 }
 # block types Anthropic takes that a text model here cannot read
 UNREAD_BLOCKS = {
@@ -66,6 +70,7 @@ class MessagesRequest:
     chat_body: dict  # the OpenAI chat body (model, messages, max_tokens, stop, sampler fields, tools, stream)
     reasoning: Reasoning
     thinking: bool  # `thinking` enabled: the answer's thought is a block even on a template without tags
+    omit_thought: bool  # thinking.display "omitted": the block's text is empty, its signature kept
     thoughts: list[str | None]  # each history message's thinking (its reasoning_content), by index
     stream: bool
 
@@ -144,10 +149,13 @@ def read_messages_request(doc: Any, count: bool = False) -> MessagesRequest:
         metadata = doc.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise bad("metadata: Input should be a valid dictionary")
+        speed = doc.get("speed")
+        if speed is not None and speed not in ("standard", "fast"):
+            raise bad("speed: Input should be 'standard' or 'fast'")
         tier = doc.get("service_tier")
         if tier is not None and tier not in SERVICE_TIERS:
             raise bad(f"service_tier: Input should be {' or '.join(repr(t) for t in SERVICE_TIERS)}")
-    reasoning, thinking = _thinking(doc.get("thinking"), body.get("max_tokens"))
+    reasoning, thinking, omit = _thinking(doc.get("thinking"), body.get("max_tokens"))
     messages, thoughts = _conversation(doc.get("system"), doc["messages"])
     body["messages"] = messages
     tools = _tools(doc.get("tools"))
@@ -160,15 +168,16 @@ def read_messages_request(doc: Any, count: bool = False) -> MessagesRequest:
             body["parallel_tool_calls"] = parallel
     if tools and "parallel_tool_calls" not in body:
         body["parallel_tool_calls"] = True  # Anthropic's default
-    return MessagesRequest(body, reasoning, thinking, thoughts, stream)
+    return MessagesRequest(body, reasoning, thinking, omit, thoughts, stream)
 
 
-def _thinking(v: Any, max_tokens: int | None) -> tuple[Reasoning, bool]:
+def _thinking(v: Any, max_tokens: int | None) -> tuple[Reasoning, bool, bool]:
+    """(how the answer thinks, thinking enabled, its text omitted)."""
     if v is None:
-        return Reasoning(), False
+        return Reasoning(), False, False
     kind = v.get("type") if isinstance(v, dict) else None
     if kind == "disabled":
-        return Reasoning(enable=False), False
+        return Reasoning(enable=False), False, False
     if kind == "enabled":
         budget = v.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int):
@@ -178,9 +187,12 @@ def _thinking(v: Any, max_tokens: int | None) -> tuple[Reasoning, bool]:
             raise bad("thinking.enabled.budget_tokens: Input should be greater than or equal to 1")
         if max_tokens is not None and budget >= max_tokens:
             raise bad("`max_tokens` must be greater than `thinking.budget_tokens`")
-        return Reasoning(enable=True, budget=budget), True
-    if kind == "adaptive":
-        raise _refused("thinking.type 'adaptive'", "give a budget with {\"type\": \"enabled\", \"budget_tokens\": N}")
+        display = v.get("display")
+        if display not in (None, "summarized", "omitted"):
+            raise bad("thinking.enabled.display: Input should be 'summarized' or 'omitted'")
+        return Reasoning(enable=True, budget=budget), True, display == "omitted"
+    if kind in ("adaptive", "between_tools"):
+        raise _refused(f"thinking.type '{kind}'", "give a budget with {\"type\": \"enabled\", \"budget_tokens\": N}")
     raise bad("thinking: Input tag does not match any of the expected tags: 'enabled', 'disabled'")
 
 

@@ -74,12 +74,14 @@ class Cut:
     tags: tuple[str, str] | None
     started: bool
     plan: ToolPlan | None
+    omit_thought: bool = False  # thinking.display "omitted": the thinking block's text is empty
 
     def blocks(self, text: str) -> tuple[list[dict], Parsed | None]:
         thought, content = split(text, self.tags, self.started)
         out: list[dict] = []
         if thought:
-            out.append({"type": "thinking", "thinking": thought, "signature": signature(thought)})
+            out.append({"type": "thinking", "thinking": "" if self.omit_thought else thought,
+                        "signature": signature(thought)})
         parsed = None if self.plan is None else parse_calls(self.plan, content)
         if parsed is not None:
             content = parsed.content or ""
@@ -99,7 +101,7 @@ class Message:
 
     def head(self, content: list[dict], stop: str | None, stop_sequence: str | None, use: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": stop, "stop_sequence": stop_sequence, "usage": use}
+                "stop_reason": stop, "stop_sequence": stop_sequence, "stop_details": None, "usage": use}
 
 
 def event(kind: str, data: dict) -> bytes:
@@ -181,6 +183,8 @@ class MessagesWriter:
                               if kind == "thinking" else {"type": "text", "text": ""})
         if kind == "thinking":
             self.thought.append(text)
+            if self.cut.omit_thought:
+                return  # the block opens and closes with its signature, its text never sent
             delta = {"type": "thinking_delta", "thinking": text}
         else:
             delta = {"type": "text_delta", "text": text}
@@ -223,7 +227,8 @@ class MessagesWriter:
             await self._content(response, deltas)
         await self._stop(response)
         stop, sequence = stop_reason(out, parsed)
-        await response.send(event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": sequence},
+        await response.send(event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": sequence,
+                                                               "stop_details": None},
                                                      "usage": usage(out), "bankml_receipt": receipt}))
         await response.send(event("message_stop", {}))
 
