@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -327,3 +328,35 @@ def test_an_unknown_messages_route_and_the_beta_query(server, client):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     m = client.beta.messages.create(model=MODEL, max_tokens=64, messages=HI)  # POST /v1/messages?beta=true
     assert m.content[0].text == REPLY
+
+
+def test_every_error_class_renders_in_anthropics_shape():
+    from bankml.errors import TABLE, ModelUnusable
+    from gateway.http.errors import ANTHROPIC_TYPES, Api, GatewayErrorHandler, api_of, render
+
+    for cls, row in TABLE.items():
+        r = render(cls("why it failed"), Api.ANTHROPIC)
+        kind = ANTHROPIC_TYPES.get(row.openai, "api_error" if row.openai >= 500 else "invalid_request_error")
+        assert (r.status, json.loads(r.body)) == (row.openai, {"type": "error", "error": {
+            "type": kind, "message": "why it failed"}}), cls
+    assert api_of("/v1/messages") is api_of("/v1/messages/count_tokens") is Api.ANTHROPIC
+    assert api_of("/v1/messagesx") is Api.OPENAI
+    r = GatewayErrorHandler("").default(SimpleNamespace(path="/v1/messages", method="POST"), ModelUnusable("changed"))
+    assert (r.status, json.loads(r.body)["error"]) == (503, {"type": "overloaded_error", "message": "changed"})
+
+
+def test_a_changed_model_file_is_a_503_overloaded_error(tmp_path):
+    model, fork = tiny_model(tmp_path)
+    s = FakeServer(model, fork)
+    try:
+        c = anthropic.Anthropic(base_url=s.url(""), api_key="unused", max_retries=0)
+        assert c.messages.create(model=MODEL, max_tokens=8, messages=HI).content
+        with open(model, "ab") as f:  # the file changes under the server
+            f.write(b"\0")
+        for stream in (False, True):
+            with pytest.raises(anthropic.InternalServerError) as e:
+                c.messages.create(model=MODEL, max_tokens=8, messages=HI, stream=stream)
+            assert e.value.status_code == 503 and error_of(e.value)["type"] == "overloaded_error"
+            assert "changed since bankml verified it" in error_of(e.value)["message"]
+    finally:
+        s.stop()
