@@ -78,13 +78,8 @@ async def create(request, state):
     async def work(held) -> Work:
         loaded = held.loaded
         prompt = await off_loop(build_prompt, loaded.model, req, before)
-        tokenize = loaded.model.tokenize
-
-        def count(text: str) -> int:
-            return len(tokenize(text, False, True))
-
         shape = Shape(new_id("resp"), int(time.time()), shown_name(loaded, resolved), req, prompt.plan, prompt.tags,
-                      prompt.started, count)
+                      prompt.started)
 
         def keep(body: dict, output: list[dict]) -> None:
             if req.store:

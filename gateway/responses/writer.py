@@ -29,6 +29,8 @@ from bankml.errors import BankmlError
 from gateway.http.errors import json_response, status_of
 from gateway.responses.request import ResponsesRequest, new_id
 from gateway.serving.answer import Run, open_sse
+from gateway.serving.engine_client import engine_error
+from gateway.serving.generation import outputs
 from gateway.serving.reasoning import ThoughtStream, split
 from gateway.serving.tool_calls import Parsed, ToolPlan, ToolStream
 from gateway.serving.tool_calls import parse as parse_calls
@@ -46,9 +48,8 @@ class Shape:
     plan: ToolPlan | None
     tags: tuple[str, str] | None  # the template's thought tags (None: it does not think, or no split)
     started: bool  # the prompt opened the thought
-    count_tokens: Any  # text -> its token count (reasoning_tokens)
 
-    def body(self, status: str, output: list[dict], last: StepOutput | None, reasoning_text: str = "",
+    def body(self, status: str, output: list[dict], last: StepOutput | None, reasoning_tokens: int = 0,
              receipt: dict | None = None) -> dict:
         r = self.req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -61,7 +62,7 @@ class Shape:
             "reasoning": {"effort": r.effort, "summary": None}, "service_tier": "default", "store": r.store,
             "temperature": r.params.temperature, "text": r.text, "tool_choice": r.tool_choice,
             "tools": r.tools_echo, "top_logprobs": 0, "top_p": r.params.top_p, "truncation": "disabled",
-            "usage": None if last is None else self.usage(last, reasoning_text),
+            "usage": None if last is None else usage(last, reasoning_tokens),
             "user": r.echoed.get("user"), "metadata": r.echoed.get("metadata") or {},
         }
         if last is not None:
@@ -69,15 +70,6 @@ class Shape:
         if receipt is not None:
             out["bankml_receipt"] = receipt
         return out
-
-    def usage(self, last: StepOutput, reasoning_raw: str) -> dict:
-        # the thought's tokens as the model wrote them (tags included), never more than it generated
-        reasoning_tokens = min(last.completion_tokens, self.count_tokens(reasoning_raw)) if reasoning_raw else 0
-        return {"input_tokens": last.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": last.cached_tokens, "cache_write_tokens": 0},
-                "output_tokens": last.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-                "total_tokens": last.prompt_tokens + last.completion_tokens}
 
     def thought_raw(self, text: str) -> str:
         """The part of the generated text that is the thought, tags included ("" when there is none)."""
@@ -89,10 +81,9 @@ class Shape:
         end = text.find(self.tags[1])
         return text if end < 0 else text[:end + len(self.tags[1])]
 
-    def items(self, text: str, last: StepOutput) -> tuple[list[dict], str]:
-        """A whole answer's output items, and the thought's raw text (for reasoning_tokens)."""
-        status = "incomplete" if last.finish_reason is FinishReason.LENGTH else "completed"
-        raw = self.thought_raw(text)
+    def items(self, text: str, last: StepOutput) -> list[dict]:
+        """A whole answer's output items."""
+        status = self.status(last)
         thought, content = split(text, self.tags, self.started) if self.tags is not None else ("", text)
         out = []
         if thought:
@@ -103,10 +94,29 @@ class Shape:
         if message or not calls:
             out.append(message_item(new_id("msg"), message or "", status))
         out += [call_item(new_id("fc"), c) for c in calls]
-        return out, raw
+        return out
 
     def status(self, last: StepOutput) -> str:
         return "incomplete" if last.finish_reason is FinishReason.LENGTH else "completed"
+
+
+def usage(last: StepOutput, reasoning_tokens: int) -> dict:
+    return {"input_tokens": last.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": last.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": last.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": last.prompt_tokens + last.completion_tokens}
+
+
+def thought_tokens(pieces: list[str], thought_chars: int) -> int:
+    """The engine's outputs (a token each) that began inside the thought's first `thought_chars`."""
+    n, at = 0, 0
+    for piece in pieces:
+        if at >= thought_chars:
+            break
+        n += 1
+        at += len(piece)
+    return n
 
 
 def reasoning_item(item_id: str, text: str | None) -> dict:
@@ -138,6 +148,7 @@ class ResponsesWriter:
     items: list[dict] = field(default_factory=list)  # the items done, in order
     open_item: dict | None = None  # the item being streamed
     raw: str = ""  # the generated text so far
+    pieces_seen: list[str] = field(default_factory=list)  # its pieces, an output each
     thoughts: ThoughtStream | None = None
     calls: ToolStream | None = None
 
@@ -148,10 +159,21 @@ class ResponsesWriter:
     # --- whole ---------------------------------------------------------------------------------------
 
     async def whole(self, run: Run):
-        f = (await run.whole())[0]
-        items, raw = self.shape.items(f.text, f.last)
-        receipt = run.receipt(0, f.text, f.last)
-        body = self.shape.body(self.shape.status(f.last), items, f.last, raw, receipt)
+        """The sequence read to its end (as generation.whole reads it, each output's text kept: the
+        thought's tokens are counted from them), its metrics record and receipt, the Response object."""
+        pieces, last = [], None
+        async with outputs(run.loaded, run.requests) as stream:
+            async for _, out in stream:
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                    raise engine_error(run.loaded.client, out)
+                pieces.append(out.text)
+                last = out
+        text = "".join(pieces) + last.held_text  # what was held back at the end too, as a whole answer keeps it
+        run.sent(0, text)
+        receipt = run.finished(0, last)
+        items = self.shape.items(text, last)
+        body = self.shape.body(self.shape.status(last), items, last,
+                               thought_tokens(pieces, len(self.shape.thought_raw(text))), receipt)
         self.keep(body, items)
         return json_response(jstr.dumps(body))
 
@@ -169,6 +191,7 @@ class ResponsesWriter:
             return
         run.sent(i, out.text)
         self.raw += out.text
+        self.pieces_seen.append(out.text)
         pieces = self.thoughts.feed(out.text) if self.thoughts is not None else [("content", out.text)]
         await response.send(self.pieces(pieces))
 
@@ -178,17 +201,22 @@ class ResponsesWriter:
         if self.open_item is None and not any(item["type"] != "reasoning" for item in self.items):
             events += self.open_text("message")  # an answer of nothing: an empty message, as a whole one has
         events += self.close_item(status)
-        raw = self.shape.thought_raw(self.raw)
-        body = self.shape.body(status, self.items, out, raw, receipt)
+        reasoning_tokens = thought_tokens(self.pieces_seen, len(self.shape.thought_raw(self.raw)))
+        body = self.shape.body(status, self.items, out, reasoning_tokens, receipt)
         self.keep(body, self.items)
         events += self.event("response.completed" if status == "completed" else "response.incomplete",
                              response=body)
         await response.send(events)
 
     async def failed(self, response, error: Exception) -> None:
-        code = "server_error" if not isinstance(error, BankmlError) or status_of(error) >= 500 else None
+        """The error event, then `response.failed` with the items done so far (no receipt: nothing was
+        answered whole)."""
+        code = "server_error" if not isinstance(error, BankmlError) or status_of(error) >= 500 else "invalid_prompt"
         message = error.message if isinstance(error, BankmlError) else str(error)
-        await response.send(self.event("error", code=code, message=message, param=None))
+        events = self.event("error", code=code, message=message, param=None)
+        body = self.shape.body("failed", self.items, None)
+        body["error"] = {"code": code, "message": message}
+        await response.send(events + self.event("response.failed", response=body))
 
     async def close(self, response) -> None:
         return None
@@ -206,6 +234,10 @@ class ResponsesWriter:
         events = b""
         for kind, delta in pieces:
             if kind == "reasoning":
+                if self.open_item is None or self.open_item["type"] != "reasoning":
+                    delta = delta.lstrip()  # the thought starts at its first word, as `split` reads it
+                    if not delta:
+                        continue
                 events += self.text_delta("reasoning", delta)
             elif self.calls is None:
                 events += self.text_delta("message", delta)
