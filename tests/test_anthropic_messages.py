@@ -288,6 +288,7 @@ def error_of(e: anthropic.APIStatusError) -> dict:
      "'output_config'"),
     ({"max_tokens": 8, "messages": HI, "thinking": {"type": "adaptive"}}, "'adaptive'"),
     ({"max_tokens": 8, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 8, "messages": []}, "at least one message"),
     ({"max_tokens": 8, "messages": HI, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 8, "messages": HI, "tools": [{"name": "f"}]}, "tools.0.input_schema: Field required"),
     ({"max_tokens": 8, "messages": HI, "tool_choice": {"type": "some"}}, "tool_choice"),

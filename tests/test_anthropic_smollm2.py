@@ -6,6 +6,7 @@ helper's message the same as a plain call's (greedy). `slow`: one server on the 
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from gateway_helpers import CliServer
 
@@ -91,3 +92,15 @@ def test_the_stream_helper_builds_the_greedy_message(client, model):
     assert final.content[0].text == plain.content[0].text
     assert (final.stop_reason, final.usage.output_tokens) == (plain.stop_reason, plain.usage.output_tokens)
     assert total_input(final) == total_input(plain)
+
+
+def test_a_long_prompt_is_pinged_while_it_is_prefilled(server):
+    # --config cpu prefills 256 tokens a chunk: a prompt of ~700 is three chunks, a ping after each
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 70)
+    r = httpx.post(server.url("/v1/messages"), timeout=300, json={
+        "model": "m", "max_tokens": 4, "stream": True, "temperature": 0,
+        "messages": [{"role": "user", "content": long + " How many foxes?"}]})
+    kinds = [line.removeprefix("event: ") for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    first_block = kinds.index("content_block_start") if "content_block_start" in kinds else kinds.index("message_delta")
+    assert kinds[1:first_block].count("ping") >= 3, kinds

@@ -228,6 +228,8 @@ def _conversation(system: Any, turns: Any) -> tuple[list[dict], list[str | None]
             out.append({"role": "system", "content": text})
     if not isinstance(turns, list):
         raise bad("messages: Input should be a valid list")
+    if not turns:
+        raise bad("messages: at least one message is required")
     names: dict[str, str] = {}  # tool_use id -> its tool's name, for the tool_result that answers it
     thoughts: list[str | None] = [None] * len(out)
     for i, turn in enumerate(turns):
