@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 from types import SimpleNamespace
 
 import anthropic
@@ -359,5 +360,23 @@ def test_a_changed_model_file_is_a_503_overloaded_error(tmp_path):
                 c.messages.create(model=MODEL, max_tokens=8, messages=HI, stream=stream)
             assert e.value.status_code == 503 and error_of(e.value)["type"] == "overloaded_error"
             assert "changed since bankml verified it" in error_of(e.value)["message"]
+    finally:
+        s.stop()
+
+
+def test_a_stream_cut_by_shutdown_ends_with_anthropics_error_event(tmp_path):
+    model, fork = tiny_model(tmp_path)
+    config = tmp_path / "grace.toml"
+    config.write_text("[serve]\nshutdown_grace_s = 0.5\n")
+    s = FakeServer(model, fork, step_ms=20, flags=["--config", str(config)])
+    try:
+        body = {"model": MODEL, "max_tokens": 4000, "stream": True, "messages": [{"role": "user", "content": "LONG"}]}
+        with httpx.stream("POST", s.url("/v1/messages"), json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "event: message_start"
+            s.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert rest[-3:-1] == ["event: error", 'data: {"type": "error", "error": {"type": "overloaded_error", '
+                               '"message": "bankml serve is shutting down; the answer was cut short"}}'], rest[-4:]
     finally:
         s.stop()
