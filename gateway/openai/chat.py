@@ -5,18 +5,22 @@ writes it; everything between is the answer pipeline (gateway/serving/answer.py)
   that does not resolve, 404 unless the server has one model); a derived model's layer over the body;
 - the fields (chat_request.parse_chat_request, with the model's sampling defaults): llama-server's 400s
   (and 500s) before any model work, then ours;
-- on the leased model: `n` against the engine's sequences, the tools' plan and the prompt's tokens;
+- on the leased model: `n` against the engine's sequences, the tools' plan and the prompt's tokens (the
+  template's variables: chat_template_kwargs, reasoning_effort), and the thought's tags (reasoning.py);
 - written (chat_writer.py, one `id` for the answer): one JSON body (`n` > 1: its choices by `index`,
   each with its own receipt), or SSE chunks as the pieces form (each choice's role delta first,
-  held-back text never sent, as llama-server; with tools, content once it is sure to be and each call
-  once whole; `timings` on each with timings_per_token), each choice's receipt after its last chunk,
-  then `[DONE]`.
+  held-back text never sent, as llama-server; a thinking template's thought as `reasoning_content`
+  unless reasoning_format is none; with tools, content once it is sure to be and each call once whole,
+  the calls parsed from the answer after the thought; `timings` on each with timings_per_token), each
+  choice's receipt after its last chunk, then `[DONE]`. The receipt covers the model's text as
+  generated: thought, tags, answer and call markup.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from gateway.http.body import parse_body
 from gateway.http.errors import json_response, stream_error
@@ -30,6 +34,7 @@ from gateway.openai.chat_writer import (
 from gateway.openai.completion_request import N_UNBOUNDED, check_n
 from gateway.openai.resolve import resolve_for, shown_name
 from gateway.serving.answer import Run, Work, answer, off_loop, open_sse
+from gateway.serving.reasoning import Reasoning, ThoughtStream, opened, split, thought_tags
 from gateway.serving.request_fields import gguf_defaults
 from gateway.serving.residency import FOREVER
 from gateway.serving.tool_calls import ToolPlan, ToolStream
@@ -52,9 +57,12 @@ async def chat_completions(request, state):
         completion = ChatCompletion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), shown_name(loaded, resolved),
                                     include_usage=chat.include_usage)
         ids = [completion.id] if chat.n == 1 else [f"{completion.id}-{j}" for j in range(chat.n)]
-        return Work([prompt], chat.params, ids, ChatWriter(completion, chat.timings_per_token, plan, chat.n),
-                    chat.stream, n=chat.n, grammar=chat.grammar if plan is None else plan.grammar, n_ctx=n_ctx,
-                    progress=chat.return_progress and chat.stream, id_slot=chat.id_slot)
+        tags = thought_tags(loaded.model.chat_template)
+        thought = Thought(tags, opened(loaded.model.tokenizer, prompt, tags), chat.reasoning)
+        writer = ChatWriter(completion, chat.timings_per_token, plan, chat.n, thought)
+        return Work([prompt], chat.params, ids, writer, chat.stream, n=chat.n,
+                    grammar=chat.grammar if plan is None else plan.grammar, n_ctx=n_ctx,
+                    progress=chat.return_progress and chat.stream, id_slot=chat.id_slot, reasoning=chat.reasoning)
 
     return await answer(request, state, pin, FOREVER, work)  # spec §2: /v1 keeps its model forever
 
@@ -63,30 +71,59 @@ def _prompt(model, chat: ChatRequest) -> tuple[ToolPlan | None, list[int]]:
     """The tools' plan (gateway/serving/tool_calls.py: the template's messages and tools, the grammar of
     a call) and the prompt's tokens."""
     plan = tool_plan(chat.tools, chat.messages, model.chat_template, chat.response_schema)
+    kwargs = chat.reasoning.template_kwargs() or None
     if plan is None:
-        return None, model.prompt(chat.messages, chat.add_generation_prompt)
-    return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools)
+        return None, model.prompt(chat.messages, chat.add_generation_prompt, None, kwargs)
+    return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools, kwargs)
+
+
+@dataclass(frozen=True)
+class Thought:
+    """How an answer's thought is cut out: the template's tags (None: it does not think), whether the prompt
+    opened it, and the request's reasoning_format (`reasoning.split`: none leaves it in the content;
+    deepseek-legacy keeps it there too)."""
+
+    tags: tuple[str, str] | None
+    started: bool
+    reasoning: Reasoning
+
+    @property
+    def cut(self) -> bool:
+        return self.tags is not None and self.reasoning.split
+
+    def parts(self, text: str) -> tuple[str, str]:
+        """The answer's (reasoning, content) as the choice shows them."""
+        if not self.cut:
+            return "", text
+        thought, content = split(text, self.tags, self.started)
+        return thought, text if self.reasoning.legacy else content
 
 
 class ChatWriter:
-    """A chat completion's answer (serving/answer.py `Writer`): `n` choices, with or without tools."""
+    """A chat completion's answer (serving/answer.py `Writer`): `n` choices, with or without tools, a
+    thinking template's thought cut out of each."""
 
-    def __init__(self, completion: ChatCompletion, timed: bool, plan: ToolPlan | None, n: int):
+    def __init__(self, completion: ChatCompletion, timed: bool, plan: ToolPlan | None, n: int,
+                 thought: Thought | None = None):
         self.completion, self.timed, self.plan, self.n = completion, timed, plan, n
+        self.thought = thought if thought is not None and thought.cut else None
         self.calls = [None if plan is None else ToolStream(plan) for _ in range(n)]  # deltas of content and calls
+        self.thoughts = [None if self.thought is None else ThoughtStream(self.thought.tags, self.thought.started)
+                         for _ in range(n)]
         self.opened = [False] * n
 
     async def whole(self, run: Run):
         c = self.completion
         done = await run.whole(lambda out: logprob_entry(out.logprobs))
-        parsed = [None if self.plan is None else parse_calls(self.plan, f.text) for f in done]
+        cut = [("", f.text) if self.thought is None else self.thought.parts(f.text) for f in done]
+        parsed = [None if self.plan is None else parse_calls(self.plan, content) for _, content in cut]
         if len(done) == 1:
             f = done[0]
-            return json_response(c.body(f.text, f.last, run.receipt(0, f.text, f.last, f.entries), f.entries,
-                                        parsed[0]))
+            return json_response(c.body(cut[0][1], f.last, run.receipt(0, f.text, f.last, f.entries), f.entries,
+                                        parsed[0], cut[0][0]))
         choices = []
         for j, f in enumerate(done):  # n > 1: each choice is an answer, with its own receipt
-            choice = c.choice(j, f.text, f.last, f.entries, parsed[j])
+            choice = c.choice(j, cut[j][1], f.last, f.entries, parsed[j], cut[j][0])
             choice["bankml_receipt"] = run.receipt(j, f.text, f.last, f.entries)
             choices.append(choice)
         return json_response(c.body_of(choices, done[0].last, None))
@@ -108,8 +145,15 @@ class ChatWriter:
             if rides:
                 run.sent(j, "", rides)
                 entry = None
-        calls = self.calls[j]
-        if out.text and calls is not None:  # tools: content once it is sure to be, calls once whole
+        calls, thoughts = self.calls[j], self.thoughts[j]
+        if out.text and thoughts is not None:  # the thought as reasoning_content, the rest as below
+            run.sent(j, out.text, entry)
+            deltas = thoughts.feed(out.text)
+            if self.thought.reasoning.legacy:  # deepseek-legacy: the content is the text as generated
+                deltas = [(k, d) for k, d in deltas if k == "reasoning"] + [("content", out.text)]
+                calls = None
+            await self._send(response, j, out, deltas, entry, calls)
+        elif out.text and calls is not None:  # tools: content once it is sure to be, calls once whole
             run.sent(j, out.text)
             for kind, delta in calls.feed(out.text):
                 await response.send(c.delta_chunk(kind, delta, j, out if timed else None))
@@ -117,9 +161,22 @@ class ChatWriter:
             await response.send(c.chunk(out.text, entry, j, out if timed else None))
             run.sent(j, out.text, entry)
 
+    async def _send(self, response, j: int, out: StepOutput, deltas: list[tuple[str, str]], entry: list | None,
+                    calls: ToolStream | None) -> None:
+        """A thinking answer's deltas: the thought's as they are, the content's through the tools' stream;
+        the output's logprob entry rides on its first chunk."""
+        timed = out if self.timed else None
+        for kind, delta in deltas:
+            pieces = calls.feed(delta) if kind == "content" and calls is not None else [(kind, delta)]
+            for k, d in pieces:
+                await response.send(self.completion.delta_chunk(k, d, j, timed, entry))
+                entry = None
+
     async def last(self, response, run: Run, j: int, out: StepOutput, receipt: dict) -> None:
         c, timed = self.completion, self.timed
         finish = None
+        if self.thoughts[j] is not None and not self.thought.reasoning.legacy:
+            await self._send(response, j, out, self.thoughts[j].finish(), None, self.calls[j])
         if self.calls[j] is not None:
             deltas, parsed = self.calls[j].finish()
             for kind, delta in deltas:

@@ -18,7 +18,7 @@ before a bad field there; here the template renders after the model is acquired 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported, RequestFailed
@@ -35,6 +35,7 @@ from gateway.http.json_values import (
 )
 from gateway.serving.constraints import chat_grammar, read_logit_bias, response_schema
 from gateway.serving.prompt_input import MEDIA, media_refused
+from gateway.serving.reasoning import Reasoning, read_chat
 from gateway.serving.request_fields import N_PROBS_MAX, read_fields
 from gateway.serving.tool_calls import Tools, read_tools
 from model.messages import DEFAULT_SAMPLERS, SamplingParams
@@ -55,6 +56,7 @@ class ChatRequest:
     tools: Tools | None = None  # the request's tools (gateway/serving/tool_calls.py), or None
     response_schema: Any = None  # with tools: the schema a response that does not call answers in
     id_slot: int = -1  # llama-server's: the sequence slot to run in (-1: any)
+    reasoning: Reasoning = field(default_factory=Reasoning)  # reasoning_format, chat_template_kwargs, the budget
 
 
 def bad(message: str) -> InvalidRequest:
@@ -234,10 +236,9 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("echo", p.get("echo") is True, None),
         ("continue_final_message", has_value(request, "continue_final_message")
          and request["continue_final_message"] is not False, None),
-        ("chat_template_kwargs", bool(json_value(request, "chat_template_kwargs", {})), None),
-        ("reasoning_format", p.get("reasoning_format", "none") not in ("none", "auto"), None),
-        ("reasoning_effort", has_value(request, "reasoning_effort"), None),
-        ("reasoning_budget_tokens", p.get("reasoning_budget_tokens", -1) >= 0, None),
+        ("reasoning_budget_message", bool(p.get("reasoning_budget_message")), "the thought is closed with no message"),
+        ("reasoning_budget_start_tag", bool(p.get("reasoning_budget_start_tag")), "the template's own tags are used"),
+        ("reasoning_budget_end_tags", bool(p.get("reasoning_budget_end_tags")), "the template's own tags are used"),
         ("reasoning_control", p.get("reasoning_control") is True, None),
         ("chat_parser", bool(p.get("chat_parser")), None),
         # OpenAI's own fields that llama-server passes by; each would change the answer
@@ -277,6 +278,7 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     # honoured: every output carries the engine thread's timeline, the engine reports each prefill chunk
     p["timings_per_token"] = p["return_progress"] = False
     refuse_unsupported(p, request, messages)
+    reasoning = read_chat(request, int(p.get("reasoning_budget_tokens", -1)), p.get("reasoning_format") or None)
     model = request.get("model")
     if model is not None and not isinstance(model, str):
         model = None  # the route resolved it already (not a string: the startup model)
@@ -291,5 +293,5 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
                        bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar,
-                       tools, schema, json_value(request, "id_slot", -1, get_int))
+                       tools, schema, json_value(request, "id_slot", -1, get_int), reasoning)
 

@@ -77,14 +77,18 @@ class ChatCompletion:
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
 
     def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None,
-             parsed: Parsed | None = None) -> str:
-        return self.body_of([self.choice(0, text, last, logprobs, parsed)], last, receipt)
+             parsed: Parsed | None = None, reasoning: str = "") -> str:
+        return self.body_of([self.choice(0, text, last, logprobs, parsed, reasoning)], last, receipt)
 
     @staticmethod
     def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None,
-               parsed: Parsed | None = None) -> dict[str, Any]:
-        """One choice; `parsed` (an answer with tools): its content, and its calls as `tool_calls`."""
+               parsed: Parsed | None = None, reasoning: str = "") -> dict[str, Any]:
+        """One choice; `parsed` (an answer with tools): its content, and its calls as `tool_calls`;
+        `reasoning` (a thinking template's thought): `reasoning_content`, written only when there is one,
+        as llama-server writes it."""
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if parsed is not None:
             message["content"] = parsed.content if parsed.calls else (parsed.content or "")
             if parsed.calls:
@@ -127,13 +131,22 @@ class ChatCompletion:
             return self._chunk([choice], timings=timings(timed))
         return self._chunk([choice])
 
-    def delta_chunk(self, kind: str, value: Any, index: int = 0, timed: StepOutput | None = None) -> bytes:
-        """An answer with tools: a content delta, or one call whole (`{"index", "id", "type", "function"}`)."""
+    def delta_chunk(self, kind: str, value: Any, index: int = 0, timed: StepOutput | None = None,
+                    logprobs: list[dict] | None = None) -> bytes:
+        """A content delta, a thought's (`reasoning_content`, as llama-server streams it), or with tools one
+        call whole (`{"index", "id", "type", "function"}`)."""
         if kind == "content":
-            return self.chunk(value, None, index, timed)
+            return self.chunk(value, logprobs, index, timed)
+        if kind == "reasoning":
+            choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": {"reasoning_content": value}}
+            if logprobs:
+                choice["logprobs"] = {"content": logprobs}
+            if timed is not None:
+                return self._chunk([choice], timings=timings(timed))
+            return self._chunk([choice])
         delta = {"tool_calls": [{"index": value["index"], "id": value["id"], "type": value["type"],
                                  "function": value["function"]}]}
-        choice: dict[str, Any] = {"finish_reason": None, "index": index, "delta": delta}
+        choice = {"finish_reason": None, "index": index, "delta": delta}
         if timed is not None:
             return self._chunk([choice], timings=timings(timed))
         return self._chunk([choice])

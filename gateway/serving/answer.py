@@ -6,7 +6,8 @@ how long to keep it, and `work`: what it asks of the leased model. The rest is h
     lease the model (residency.py: verified, loaded if it was not resident; 503 and no receipt else)
     -> work(held): the dialect's checks against the engine, the prompts' tokens (off the loop), its writer
     -> every prompt shorter than the context (llama-server's exceed-context 400)
-    -> the constraints attached (a 400 before any model work)
+    -> the constraints attached (a 400 before any model work): on a thinking template, the request's grammar
+       applies after the thought, and a reasoning budget closes it (reasoning.constrain)
     -> every sequence handed to the engine at once, all or none (generation.py), and read whole or as
        it comes; the writer writes (a JSON body, SSE events, NDJSON lines) and says what it sent
     -> each sequence's /bankml/metrics record and its receipt over exactly what was sent
@@ -28,6 +29,7 @@ from gateway.monitor.monitoring import Answer
 from gateway.serving.constraints import attach_constraints
 from gateway.serving.engine_client import engine_error
 from gateway.serving.generation import Entry, Finished, outputs, whole
+from gateway.serving.reasoning import constrain, opened, thought_tags
 from gateway.serving.receipt import Tally
 from model.messages import FinishReason, GenerateRequest, SamplingParams, StepOutput
 
@@ -129,7 +131,7 @@ async def answer(request, state, pin, keep_s: float, work: Callable[[Any], Await
                 if len(ids) >= n_ctx:
                     raise exceed_context(len(ids), n_ctx)
             requests = w.requests()
-            await attach_constraints(held.loaded, requests, w.grammar)  # a 400 before any model work
+            await attach_constraints(held.loaded, requests, _grammar(held.loaded, w))  # a 400 before any model work
             tallies = [Tally.start(request.body, state.receipt_key) for _ in requests]  # each clock starts now
             with state.monitoring.answer() as monitored:
                 run = Run(held, requests, tallies, monitored)
@@ -138,6 +140,14 @@ async def answer(request, state, pin, keep_s: float, work: Callable[[Any], Await
                 return await w.writer.whole(run)
     finally:
         residency.touch(pin.name, keep_s)  # once the lease is given back, as Ollama's scheduler does
+
+
+def _grammar(loaded, w: Work) -> str | None:
+    """The work's grammar, after the thought of a thinking template and with its budget (reasoning.py)."""
+    if w.reasoning is None:
+        return w.grammar
+    tags = thought_tags(loaded.model.chat_template)
+    return constrain(w.reasoning, tags, opened(loaded.model.tokenizer, w.prompts[0], tags), w.grammar)
 
 
 async def _streamed(request, run: Run, writer: Writer) -> None:
