@@ -40,7 +40,8 @@ _SERVED = ("model", "input", "instructions", "tools", "tool_choice", "parallel_t
            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "reasoning",
            "truncation", "include", "background", "top_logprobs", "max_tool_calls", *_ECHOED)
 # top-level keys we do not serve: each is a 400 naming it when it is set
-_REFUSED = ("conversation", "prompt", "prompt_cache_retention", "context_management", "moderation",
+_REFUSED = ("conversation", "prompt", "prompt_cache_retention", "prompt_cache_options", "context_management",
+            "moderation",
             "input_transformations", "partial_images")
 _BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use", "computer_use_preview",
                   "code_interpreter", "mcp", "image_generation", "local_shell", "shell", "custom", "apply_patch")
