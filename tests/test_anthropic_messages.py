@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import anthropic
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from fake_engine import CALL_PIECES, REPLY, REPLY_PIECES, THOUGHT, THOUGHT_PIECES
-from gateway_helpers import FakeServer, registry_dir, tiny_model
+from gateway_helpers import EdgeServer, FakeServer, registry_dir, tiny_model
 
 from bankml import signing
 
@@ -378,5 +379,23 @@ def test_a_stream_cut_by_shutdown_ends_with_anthropics_error_event(tmp_path):
             rest = list(lines)
         assert rest[-3:-1] == ["event: error", 'data: {"type": "error", "error": {"type": "overloaded_error", '
                                '"message": "bankml serve is shutting down; the answer was cut short"}}'], rest[-4:]
+    finally:
+        s.stop()
+
+
+def test_a_thinking_template_splits_the_thought_unasked_and_reads_thinking_disabled(tmp_path):
+    model, fork = tiny_model(tmp_path)
+    template = Path(__file__).parent / "fixtures" / "template_qwen3.jinja"
+    s = EdgeServer(model, fork, "--chat-template-file", str(template))
+    try:
+        c = anthropic.Anthropic(base_url=s.url(""), api_key="unused", max_retries=0)
+        m = c.messages.create(model=MODEL, max_tokens=64, messages=THINK)
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+            ("thinking", THOUGHT), ("text", REPLY)]
+        default = c.messages.count_tokens(model=MODEL, messages=THINK).input_tokens
+        off = c.messages.count_tokens(model=MODEL, messages=THINK, thinking={"type": "disabled"}).input_tokens
+        assert off == default + len("<think>\n\n</think>\n\n")  # enable_thinking false: Qwen3's empty thought
+        m = c.messages.create(model=MODEL, max_tokens=64, messages=THINK, thinking={"type": "disabled"})
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == off
     finally:
         s.stop()

@@ -24,7 +24,7 @@ from gateway.http.sanic_app import takes_query
 from gateway.openai.chat_request import ChatRequest, parse_chat_request
 from gateway.openai.resolve import resolve_for, shown_name
 from gateway.serving.answer import Work, answer, off_loop
-from gateway.serving.reasoning import TAGS, started, thought_tags
+from gateway.serving.reasoning import TAGS, opened, thought_tags
 from gateway.serving.request_fields import gguf_defaults
 from gateway.serving.residency import FOREVER
 from gateway.serving.tool_calls import plan as tool_plan
@@ -81,5 +81,4 @@ def _prompt(model, chat: ChatRequest, req: MessagesRequest) -> tuple[list[int], 
     prompt = model.prompt(messages, True, tools, kwargs)
     # the thought's tags: the template's, or <think> when the request asks for thinking on one that names none
     tags = thought_tags(model.chat_template) or (TAGS[0] if req.thinking else None)
-    opened = tags is not None and started(model.render(messages, True, tools, kwargs), tags)
-    return prompt, Cut(tags, opened, plan, req.omit_thought)
+    return prompt, Cut(tags, opened(model.tokenizer, prompt, tags), plan, req.omit_thought)
