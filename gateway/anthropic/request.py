@@ -206,7 +206,7 @@ def _text_of(blocks: Any, where: str) -> str:
     for j, b in enumerate(blocks):
         kind = b.get("type") if isinstance(b, dict) else None
         if kind in UNREAD_BLOCKS:
-            raise _refused(f"{where}.{j}: a '{kind}' block", UNREAD_BLOCKS[kind])
+            raise _refused(f"{where}.{j}: the '{kind}' block", UNREAD_BLOCKS[kind])
         if kind != "text" or not isinstance(b.get("text"), str):
             raise bad(f"{where}.{j}: a text block ({{\"type\": \"text\", \"text\": \"...\"}}) is expected, "
                       f"got {_short(b)}")
@@ -265,7 +265,7 @@ def _user_blocks(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
         at = f"{where}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind in UNREAD_BLOCKS:
-            raise _refused(f"{at}: a '{kind}' block", UNREAD_BLOCKS[kind])
+            raise _refused(f"{at}: the '{kind}' block", UNREAD_BLOCKS[kind])
         if kind == "text":
             if not isinstance(b.get("text"), str):
                 raise bad(f"{at}.text: Field required")
@@ -294,7 +294,7 @@ def _assistant_blocks(blocks: list, where: str, names: dict[str, str]) -> tuple[
         at = f"{where}.content.{j}"
         kind = b.get("type") if isinstance(b, dict) else None
         if kind in UNREAD_BLOCKS:
-            raise _refused(f"{at}: a '{kind}' block", UNREAD_BLOCKS[kind])
+            raise _refused(f"{at}: the '{kind}' block", UNREAD_BLOCKS[kind])
         if kind == "text":
             if not isinstance(b.get("text"), str):
                 raise bad(f"{at}.text: Field required")
