@@ -8,7 +8,11 @@ over `OpenAIResponsesModel`. `slow`: one server on the real model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -147,3 +151,16 @@ def test_an_agent_calls_its_function_tool_and_answers(server):
     assert kinds == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert result.raw_responses[-1].response_id.startswith("resp_")
+
+
+def test_the_readmes_snippets_run_as_written(server):
+    """The README's "OpenAI's Responses API" examples (the openai SDK's and the agent's), against this server."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## OpenAI's Responses API\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code.replace("http://127.0.0.1:18093", server.url()), {"__name__": "readme"})
+        assert out.getvalue().strip()
