@@ -129,6 +129,7 @@ class _Model:
 
     n_ctx = 4096
     count_limit = 2 * 4096 + 1024
+    chat_template = None  # a template that does not think: nothing is cut out of the answer
 
     def render(self, messages, add_generation_prompt=True, tools=None):
         listed = "".join(f"<tool>{t['function']['name']}" for t in tools or [])

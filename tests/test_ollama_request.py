@@ -142,7 +142,7 @@ def test_an_empty_prompt_only_loads_and_checks_nothing():
 
 def test_refusals_in_order():
     everything = {"tools": [{"type": "function"}], "images": ["aGk="], "suffix": "x",
-                  "template": "{{ .Prompt }}", "context": [1, 2], "think": True}
+                  "template": "{{ .Prompt }}", "context": [1, 2]}
     order = []
     body = dict(everything)
     while body:
@@ -154,7 +154,8 @@ def test_refusals_in_order():
     # format is honoured (tests/test_structured_gateway.py); only what Ollama refuses is refused
     assert refused(chat, format="xml") == 'invalid format: "\\"xml\\""; expected "json" or a valid JSON Schema object'
     assert refused(generate, images=["aGk="]) == "images: bankML's models are text-only; vision is out of scope"
-    assert refused(chat, think="high").startswith("think: the pinned template is rendered with thinking off")
+    assert refused(chat, think="max") == \
+        'invalid think value: "max" (must be "high", "medium", "low", true, or false)'  # think is served
     for field in ("width", "height", "steps"):  # image generation's fields, never silently dropped
         assert refused(generate, **{field: 512}) == \
             f"{field}: image generation is out of scope for bankml serve; its models generate text"

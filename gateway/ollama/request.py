@@ -22,6 +22,7 @@ from bankml.errors import ConfigInvalid, InvalidRequest
 from gateway.http.json_values import exact_float, get_int
 from gateway.serving.constraints import ollama_format_grammar
 from gateway.serving.derived import apply_ollama
+from gateway.serving.reasoning import Reasoning, ollama_think
 from gateway.serving.registry import Pin, Registry, Resolved
 from gateway.serving.request_fields import I32_MAX, read_fields
 from gateway.serving.tool_calls import Tools, from_ollama_calls, read_tools
@@ -51,8 +52,6 @@ REFUSALS = (  # (field, why), checked in this order when the field is present
                 "shared prefix"),
 )
 IMAGE_GENERATION = ("width", "height", "steps")  # Ollama's image generation (its client sends them to /api/generate)
-THINK_REFUSED = ("think: the pinned template is rendered with thinking off (an empty <think> block, as "
-                 "llama-server --reasoning off); thinking is not reproduced yet")
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,7 @@ class OllamaRequest:
     grammar: str | None = None  # `format` as llguidance grammar text (gateway/serving/constraints.py)
     tools: Tools | None = None  # chat's `tools` (gateway/serving/tool_calls.py)
     response_schema: Any = None  # `format` as a schema: what an answer with tools responds in
+    reasoning: Reasoning = Reasoning()  # `think` (gateway/serving/reasoning.py; frozen, so one default serves all)
 
     @property
     def pin(self) -> Pin:
@@ -157,8 +157,6 @@ def refusals(body: dict) -> None:
     for field, why in REFUSALS:
         if is_present(body.get(field)):
             raise bad(why)
-    if body.get("think") not in (None, False):
-        raise bad(THINK_REFUSED)
     for field in IMAGE_GENERATION:
         if is_present(body.get(field)):
             raise bad(f"{field}: image generation is out of scope for bankml serve; its models generate text")
@@ -317,6 +315,7 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
     grammar = ollama_format_grammar(request.get("format"))
     tools = _tools(kind, request)
     refusals(request)
+    reasoning = ollama_think(request.get("think"))
     raw = kind == "generate" and _bool(request, "raw", False)
     logprobs, top = read_logprobs(request)
     opts = read_options(request.get("options"), n_ctx)
@@ -339,7 +338,7 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
     fmt = request.get("format")
     schema = {"type": "object"} if fmt == "json" else fmt if isinstance(fmt, dict) else None
     return OllamaRequest(kind, resolved, request, ka, stream, False, opts.num_ctx, params, messages, raw_prompt,
-                         logprobs, top, grammar, tools, schema)
+                         logprobs, top, grammar, tools, schema, reasoning)
 
 
 def _tools(kind: str, request: dict) -> Tools | None:

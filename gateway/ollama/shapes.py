@@ -39,20 +39,24 @@ def logprob_entry(e: LogprobEntry, top: int) -> dict:
     return out
 
 
-def _content(kind: str, text: str, tool_calls: list[dict] | None = None) -> dict:
+def _content(kind: str, text: str, tool_calls: list[dict] | None = None, thinking: str = "") -> dict:
+    """The answer's text, and its thought (`thinking`, written only when there is one, as Ollama's omitempty)."""
     if kind != "chat":
-        return {"response": text}
+        return {"response": text, "thinking": thinking} if thinking else {"response": text}
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["thinking"] = thinking
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"message": message}
 
 
 def piece_line(tag: str, kind: str, piece: str, logprobs: list[dict] | None = None,
-               tool_calls: list[dict] | None = None) -> bytes:
-    """One NDJSON line of a streamed answer (the calls, Ollama's form, ride on a line of their own)."""
-    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, piece, tool_calls),
-                           "done": False}
+               tool_calls: list[dict] | None = None, thinking: str = "") -> bytes:
+    """One NDJSON line of a streamed answer (the calls, Ollama's form, ride on a line of their own; a piece of
+    the thought is `thinking`, its content empty)."""
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()),
+                           **_content(kind, piece, tool_calls, thinking), "done": False}
     if logprobs:
         obj["logprobs"] = logprobs
     return (jstr.dumps(obj) + "\n").encode("utf-8")
@@ -64,9 +68,10 @@ def _ns(ms: float) -> int:
 
 def final_object(tag: str, kind: str, text: str, done_reason: str, total_ns: int, load_ns: int,
                  last: StepOutput | None = None, logprobs: list[dict] | None = None,
-                 receipt: dict | None = None, tool_calls: list[dict] | None = None) -> str:
+                 receipt: dict | None = None, tool_calls: list[dict] | None = None, thinking: str = "") -> str:
     """The last object's JSON text; without `last` (a load or unload) it has no counts and no receipt."""
-    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()), **_content(kind, text, tool_calls),
+    obj: dict[str, Any] = {"model": tag, "created_at": created_at(time.time()),
+                           **_content(kind, text, tool_calls, thinking),
                            "done": True,
                            "done_reason": done_reason, "total_duration": int(total_ns), "load_duration": int(load_ns)}
     if last is not None:

@@ -58,7 +58,7 @@ async def chat_completions(request, state):
                                     include_usage=chat.include_usage)
         ids = [completion.id] if chat.n == 1 else [f"{completion.id}-{j}" for j in range(chat.n)]
         tags = thought_tags(loaded.model.chat_template)
-        thought = Thought(tags, opened(loaded.model.tokenizer, prompt, tags), chat.reasoning)
+        thought = Thought(tags, tags is not None and opened(loaded.model.tokenizer, prompt, tags), chat.reasoning)
         writer = ChatWriter(completion, chat.timings_per_token, plan, chat.n, thought)
         return Work([prompt], chat.params, ids, writer, chat.stream, n=chat.n,
                     grammar=chat.grammar if plan is None else plan.grammar, n_ctx=n_ctx,

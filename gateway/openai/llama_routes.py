@@ -34,6 +34,7 @@ from gateway.openai.params_json import params_json
 from gateway.openai.props import props_json
 from gateway.openai.slots import model_named, slot_model
 from gateway.openai.tokenize import detokenize_body, tokenize_json
+from gateway.serving.reasoning import read_chat
 from gateway.serving.registry import v1_models_data
 from gateway.serving.tool_calls import plan as tool_plan
 from gateway.serving.tool_calls import read_tools
@@ -116,17 +117,19 @@ async def count_tokens(request, state):
 
 
 def _render(model, req: dict, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The prompt text a chat with this body would get: with its tools, as gateway/serving/tool_calls.py plans them."""
+    """The prompt text a chat with this body would get: with its tools, as gateway/serving/tool_calls.py plans them,
+    and the template's variables (chat_template_kwargs, reasoning_effort, a budget of 0: gateway/serving/reasoning.py)."""
+    budget = req.get("reasoning_budget_tokens")
+    kwargs = read_chat(req, budget if isinstance(budget, int) and not isinstance(budget, bool) else -1)
+    kwargs = kwargs.template_kwargs() or None
     plan = tool_plan(read_tools(req), messages, model.chat_template)
     if plan is None:
-        return model.render(messages, add_generation_prompt)
-    return model.render(plan.messages, add_generation_prompt, plan.template_tools)
+        return model.render(messages, add_generation_prompt, None, kwargs)
+    return model.render(plan.messages, add_generation_prompt, plan.template_tools, kwargs)
 
 
 def refuse_template_changes(req: dict, messages: list[dict]) -> None:
     """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
-    if json_value(req, "chat_template_kwargs", {}):
-        raise NotSupported("'chat_template_kwargs' is not supported by bankml serve --native yet")
     if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
         raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 

@@ -147,7 +147,8 @@ def _grammar(loaded, w: Work) -> str | None:
     if w.reasoning is None:
         return w.grammar
     tags = thought_tags(loaded.model.chat_template)
-    return constrain(w.reasoning, tags, opened(loaded.model.tokenizer, w.prompts[0], tags), w.grammar)
+    started = tags is not None and opened(loaded.model.tokenizer, w.prompts[0], tags)
+    return constrain(w.reasoning, tags, started, w.grammar)
 
 
 async def _streamed(request, run: Run, writer: Writer) -> None:

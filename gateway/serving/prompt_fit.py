@@ -41,8 +41,10 @@ def _encode(model: Any, text: str, limit: int) -> list[int]:
     return model.tokenize(text, add_special=True, parse_special=True, limit=limit)
 
 
-def _tokens(model: Any, messages: list[dict], limit: int, tools: list[dict] | None = None) -> list[int]:
-    return _encode(model, model.render(messages, True, tools), limit)
+def _tokens(model: Any, messages: list[dict], limit: int, tools: list[dict] | None = None,
+            template_kwargs: dict | None = None) -> list[int]:
+    text = model.render(messages, True, tools, template_kwargs) if template_kwargs else model.render(messages, True, tools)
+    return _encode(model, text, limit)
 
 
 def _too_long(n: str, num_ctx: int, dropped: int, what: str = "prompt", fix: str = "the last message") -> InvalidRequest:
@@ -66,16 +68,18 @@ def _whole(model: Any, encode: Callable[[int], list[int]]) -> tuple[list[int] | 
         return None, e.at_least
 
 
-def chat_prompt(model: Any, messages: list[dict], num_ctx: int | None, tools: list[dict] | None = None) -> list[int]:
+def chat_prompt(model: Any, messages: list[dict], num_ctx: int | None, tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """A conversation's prompt tokens (`model`: gateway.serving.native_model.NativeModel), fitted under num_ctx;
-    `tools` go to the template with every candidate."""
+    `tools` and `template_kwargs` (enable_thinking: gateway/serving/reasoning.py) go to the template with every
+    candidate."""
     dropped = 0
     fitted: tuple[list[dict], list[int]] | None = None  # the last candidate that fit, and its tokens
     if num_ctx is not None:
         def count(candidate: list[dict]) -> int:
             nonlocal fitted
             try:
-                tokens = _tokens(model, candidate, num_ctx, tools)
+                tokens = _tokens(model, candidate, num_ctx, tools, template_kwargs)
             except TokenLimitExceeded:
                 return num_ctx + 1  # past it: the exact count does not matter
             if len(tokens) <= num_ctx:
@@ -85,7 +89,7 @@ def chat_prompt(model: Any, messages: list[dict], num_ctx: int | None, tools: li
         messages, dropped = fit_messages(messages, num_ctx, count)
     if fitted is not None and fitted[0] == messages:  # what was kept was counted whole: not tokenized again
         return _fits_context(model, fitted[1])
-    tokens, at_least = _whole(model, lambda limit: _tokens(model, messages, limit, tools))
+    tokens, at_least = _whole(model, lambda limit: _tokens(model, messages, limit, tools, template_kwargs))
     if tokens is None:
         if num_ctx is not None:
             raise _too_long(f"at least {at_least}", num_ctx, dropped)

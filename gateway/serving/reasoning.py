@@ -235,16 +235,16 @@ OLLAMA_LEVELS = ("low", "medium", "high")
 
 
 def ollama_think(v: Any) -> Reasoning:
-    """Ollama's `think`: absent, the template's default; true / false, enable_thinking; a level ("low", "medium",
-    "high") thinks, the level passed to the template as `reasoning_effort` (what gpt-oss's template reads)."""
+    """Ollama's `think`: absent, the template's default, its thought in `thinking`; true, the same with
+    enable_thinking; a level ("low", "medium", "high") thinks, the level passed to the template as
+    `reasoning_effort` (what gpt-oss's template reads); false renders with enable_thinking false and cuts
+    nothing out: a model that thinks anyway has its thought in the content, as Ollama leaves it."""
     if v is None:
         return Reasoning()
     if isinstance(v, bool):
-        return Reasoning(enable=v)
+        return Reasoning(enable=v, split=v)
     if isinstance(v, str) and v in OLLAMA_LEVELS:
         return Reasoning(enable=True, kwargs={"reasoning_effort": v})
-    if isinstance(v, str) and v in ("true", "false"):  # Ollama's ThinkValue takes these strings too
-        return Reasoning(enable=v == "true")
     raise InvalidRequest(f"invalid think value: {json.dumps(v)} (must be \"high\", \"medium\", \"low\", true, or false)")
 
 
