@@ -13,6 +13,8 @@ prompt, so one server serves every test:
 - "THINK": THOUGHT_PIECES (a thought between <think> tags, then REPLY), as a reasoning model answers;
 - "CALLTOOL": CALL_PIECES (a call of get_weather in the generic JSON form, tool_calls.py's
   {"tool_call": {...}}), as a model answers a tool request;
+- "THINKTOOL": THINK_CALL_PIECES (the thought, then a call of get_weather in the hermes form, Qwen3's
+  `<tool_call>` markup), as a thinking model calls a tool;
 - otherwise the fixed REPLY, piece by piece, each step `step_s` long; `max_tokens` gives "length".
 It serves `max_seqs` generations at once (one by default), each advanced a step per iteration
 (tests/batch_adapter.py). Every generation it ends (finished or aborted) is logged on stderr as `fake-engine: <id> <how> after
@@ -40,6 +42,8 @@ REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!
 REPLY = "".join(REPLY_PIECES)
 THOUGHT = "The user greets me. I answer."
 THOUGHT_PIECES = ["<th", "ink>", "\nThe user", " greets me.", " I answer.", "\n</", "think>", "\n\n", *REPLY_PIECES]
+HERMES_CALL = ["<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "\n</tool_call>"]
+THINK_CALL_PIECES = [*THOUGHT_PIECES[:-len(REPLY_PIECES)], *HERMES_CALL]
 CALL_PIECES = ['{"tool_call": ', '{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}}']
 STEP_FAILED = "the fake engine's step failed on purpose"
 HANG = re.compile(rb"HANG:([^\s<\"]+)")
@@ -146,6 +150,7 @@ class FakeEngine(GeneratorBatch):
             with open(hang.group(1), "rb") as fifo:  # blocks until the test opens it for writing
                 fifo.read()  # and until it closes it
         pieces = (["tick "] * 5000 if "LONG" in tail else ["x" * 8192] * 5000 if "HUGE" in tail
+                  else THINK_CALL_PIECES if "THINKTOOL" in tail
                   else THOUGHT_PIECES if "THINK" in tail else CALL_PIECES if "CALLTOOL" in tail else REPLY_PIECES)
         n, how = 0, "aborted"
         try:

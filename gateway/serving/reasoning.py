@@ -261,17 +261,18 @@ def constrain(r: Reasoning | None, tags: tuple[str, str] | None, started_: bool,
     A template that does not think, or a request without `reasoning`: `grammar` as it is. Otherwise the
     thought's rule ends at the close tag, or after `budget` tokens (llguidance's `max_tokens`), when the
     close tag is forced; the answer after it (and the whitespace between) is `grammar`, or any text:
-    - the prompt opened the thought: the thought, then the answer;
-    - a budget: the model opens it (forced), so a budget of 0 is an empty thought;
-    - only a grammar: the thought is optional (the model may answer at once), unless thinking is off,
-      when the grammar is the whole answer, as before.
+    - the prompt opened the thought: the thought, then the answer (a budget of 0: closed at once);
+    - thinking off (enable_thinking false, or a budget of 0, which renders it so): the grammar is the
+      whole answer, as before;
+    - a budget: the model opens it (forced);
+    - only a grammar: the thought is optional (the model may answer at once).
     """
     if r is None or tags is None:
         return grammar
     bounded = r.budget >= 0
     if not (bounded or grammar is not None):
         return None
-    if not started_ and not bounded and not r.thinks:
+    if not started_ and not r.thinks:  # thinking off (a budget of 0 too): the prompt closed the thought, or none comes
         return grammar
     open_tag, close_tag = (json.dumps(t) for t in tags)
     limit = f", max_tokens={r.budget}" if bounded else ""
