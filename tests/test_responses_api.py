@@ -283,3 +283,44 @@ def test_an_unknown_previous_response_id_is_a_404(client):
     assert e.value.status_code == 404 and e.value.body["code"] == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         client.responses.input_tokens.count(model="any", input="Say hello.", previous_response_id="resp_nothing")
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def test_a_required_call_is_a_function_call_item_whole_and_streamed(client, server):
+    r = client.responses.create(model="any", input="CALLTOOL", tools=[WEATHER], tool_choice="required")
+    [call] = r.output
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == \
+        ("function_call", "get_weather", {"city": "Paris"}, "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert r.tools[0].name == "get_weather" and r.tools[0].strict is True and r.tool_choice == "required"
+    events = raw_events(server, {"model": "any", "input": "CALLTOOL", "tools": [WEATHER], "tool_choice": "required"})
+    assert [n for n, _ in events] == ["response.created", "response.in_progress", "response.output_item.added",
+                                      "response.function_call_arguments.delta",
+                                      "response.function_call_arguments.done", "response.output_item.done",
+                                      "response.completed"]
+    added, done = events[2][1]["item"], events[5][1]["item"]
+    assert added["arguments"] == "" and added["status"] == "in_progress" and added["id"] == done["id"]
+    assert json.loads(events[3][1]["delta"]) == {"city": "Paris"} == json.loads(done["arguments"])
+    strict = {**WEATHER, "strict": True}  # the SDK parses the arguments of a strict tool
+    with client.responses.stream(model="any", input="CALLTOOL", tools=[strict], tool_choice="required") as stream:
+        final = stream.get_final_response()
+    assert final.output[0].parsed_arguments == {"city": "Paris"} and final.output[0].name == "get_weather"
+
+
+def test_a_function_call_output_continues_and_is_in_the_prompt(client):
+    r = client.responses.create(model="any", input="CALLTOOL", tools=[WEATHER],
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "get_weather"
+    call = r.output[0]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}
+    second = client.responses.create(model="any", previous_response_id=r.id, input=[output], tools=[WEATHER],
+                                     tool_choice="none")
+    assert second.output_text == REPLY
+    without = client.responses.input_tokens.count(model="any", previous_response_id=r.id, tools=[WEATHER],
+                                                  tool_choice="none", input=[]).input_tokens
+    # the first turn, then the tool's output as a turn of its own
+    assert second.usage.input_tokens - without == len("<|im_start|>tool\nSunny, 21 C.<|im_end|>\n")
+    assert [i.type for i in client.responses.input_items.list(second.id)] == ["function_call_output"]

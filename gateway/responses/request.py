@@ -76,7 +76,7 @@ class ResponsesRequest:
     grammar: str | None  # text.format's, without active tools
     text_schema: Any  # with active tools: the schema a response that does not call answers in
     text: dict  # `text` as echoed
-    reasoning: Reasoning | None
+    reasoning: Reasoning
     effort: str | None
     previous_response_id: str | None
     max_output_tokens: int | None
@@ -352,9 +352,10 @@ def _text(text: Any) -> tuple[dict, dict | None]:
                                       "json_schema).")
 
 
-def _reasoning(value: Any) -> tuple[Reasoning | None, str | None]:
+def _reasoning(value: Any) -> tuple[Reasoning, str | None]:
+    """`reasoning` as a Reasoning (absent: the template's default, its thought split out) and its effort."""
     if value is None:
-        return None, None
+        return Reasoning(), None
     if not isinstance(value, dict):
         raise invalid("reasoning", "'reasoning' must be an object.")
     for key in ("summary", "generate_summary"):
@@ -362,10 +363,10 @@ def _reasoning(value: Any) -> tuple[Reasoning | None, str | None]:
             raise refused(f"reasoning.{key}", "the thought is given whole as reasoning_text, never summarised")
     effort = value.get("effort")
     if effort is None:
-        return None, None
+        return Reasoning(), None
     if effort not in EFFORT_BUDGET:
         raise invalid("reasoning.effort", f"Invalid value for 'reasoning.effort': {effort!r} "
                                           f"({', '.join(EFFORT_BUDGET)}).")
     if effort == "none":
-        return Reasoning(enable=False, budget=0), effort
+        return Reasoning(budget=0), effort  # enable_thinking false, and a template that ignores it closed at once
     return Reasoning(enable=True, budget=EFFORT_BUDGET[effort]), effort

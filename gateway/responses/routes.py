@@ -26,7 +26,7 @@ from gateway.responses.request import ResponsesRequest, messages_of, new_id, par
 from gateway.responses.store import ResponseStore
 from gateway.responses.writer import ResponsesWriter, Shape
 from gateway.serving.answer import Work, answer, off_loop
-from gateway.serving.reasoning import started, thought_tags
+from gateway.serving.reasoning import opened, thought_tags
 from gateway.serving.request_fields import gguf_defaults
 from gateway.serving.residency import FOREVER
 from gateway.serving.tool_calls import ToolPlan
@@ -63,12 +63,9 @@ def build_prompt(model, req: ResponsesRequest, before: list[dict]) -> Prompt:
     messages = messages_of(req.instructions, before + req.input_items)
     plan = tool_plan(req.tools, messages, model.chat_template, req.text_schema)
     msgs, tools = (messages, None) if plan is None else (plan.messages, plan.template_tools)
-    kwargs = req.reasoning.template_kwargs() if req.reasoning is not None else None
+    ids = model.prompt(msgs, True, tools, req.reasoning.template_kwargs() or None)
     tags = thought_tags(model.chat_template)
-    if req.reasoning is not None and not req.reasoning.split:
-        tags = None
-    opened = tags is not None and started(model.render(msgs, True, tools, kwargs or None), tags)
-    return Prompt(plan, model.prompt(msgs, True, tools, kwargs or None), tags, opened)
+    return Prompt(plan, ids, tags, tags is not None and opened(model.tokenizer, ids, tags))
 
 
 async def create(request, state):
