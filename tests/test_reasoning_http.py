@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GENERATED = "".join(THOUGHT_PIECES)  # the fake's answer, as written
 HI = [{"role": "user", "content": "Hi THINK"}]
+THOUGHT_TOKENS = THOUGHT_PIECES.index("think>") + 1
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -67,14 +68,17 @@ def test_the_openai_client_reads_the_thought_as_reasoning_content(request, templ
     message = answer.choices[0].message
     assert message.content == REPLY
     assert message.reasoning_content == THOUGHT  # an unknown field: the client keeps it (model_extra)
+    # the thought's tokens, its tags included: the fake's pieces up to "think>"
+    assert answer.usage.completion_tokens_details.reasoning_tokens == THOUGHT_TOKENS
     # the receipt covers what the model wrote: tags, thought and reply
     assert answer.model_extra["bankml_receipt"]["response_sha256"] == sha256(GENERATED)
 
 
 def test_the_streamed_thought_is_delta_reasoning_content_then_the_reply_is_content(qwen3):
     stream = client(qwen3).chat.completions.create(model="tiny", messages=HI, stream=True)
-    thought, content, receipt = [], [], None
+    thought, content, receipt, used = [], [], None, None
     for chunk in stream:
+        used = chunk.usage or used
         if not chunk.choices:
             receipt = (chunk.model_extra or {}).get("bankml_receipt") or receipt
             continue
@@ -87,6 +91,7 @@ def test_the_streamed_thought_is_delta_reasoning_content_then_the_reply_is_conte
             content.append(delta.content)
     assert "".join(thought) == THOUGHT and "".join(content) == REPLY
     assert len(thought) > 1  # streamed as it came, not at the end
+    assert used.completion_tokens_details.reasoning_tokens == THOUGHT_TOKENS
     assert receipt["response_sha256"] == sha256(GENERATED)
 
 

@@ -34,7 +34,7 @@ from gateway.openai.chat_writer import (
 from gateway.openai.completion_request import N_UNBOUNDED, check_n
 from gateway.openai.resolve import resolve_for, shown_name
 from gateway.serving.answer import Run, Work, answer, off_loop, open_sse
-from gateway.serving.reasoning import Reasoning, ThoughtStream, opened, split, thought_tags
+from gateway.serving.reasoning import Reasoning, ThoughtStream, opened, split, thought_tags, thought_tokens
 from gateway.serving.request_fields import gguf_defaults
 from gateway.serving.residency import FOREVER
 from gateway.serving.tool_calls import ToolPlan, ToolStream
@@ -91,6 +91,10 @@ class Thought:
     def cut(self) -> bool:
         return self.tags is not None and self.reasoning.split
 
+    def tokens(self, pieces: list[str]) -> int | None:
+        """usage's reasoning_tokens for an answer (its outputs' texts); None for a template that does not think."""
+        return None if self.tags is None else thought_tokens(pieces, self.tags, self.started)
+
     def parts(self, text: str) -> tuple[str, str]:
         """The answer's (reasoning, content) as the choice shows them."""
         if not self.cut:
@@ -110,6 +114,7 @@ class ChatWriter:
         self.calls = [None if plan is None else ToolStream(plan) for _ in range(n)]  # deltas of content and calls
         self.thoughts = [None if self.thought is None else ThoughtStream(self.thought.tags, self.thought.started)
                          for _ in range(n)]
+        self.pieces: list[list[str]] = [[] for _ in range(n)]  # each choice's outputs, for reasoning_tokens
         self.opened = [False] * n
 
     async def whole(self, run: Run):
@@ -117,16 +122,17 @@ class ChatWriter:
         done = await run.whole(lambda out: logprob_entry(out.logprobs))
         cut = [("", f.text) if self.thought is None else self.thought.parts(f.text) for f in done]
         parsed = [None if self.plan is None else parse_calls(self.plan, content) for _, content in cut]
+        counted = None if self.thought is None else self.thought.tokens(done[0].pieces)
         if len(done) == 1:
             f = done[0]
             return json_response(c.body(cut[0][1], f.last, run.receipt(0, f.text, f.last, f.entries), f.entries,
-                                        parsed[0], cut[0][0]))
+                                        parsed[0], cut[0][0], counted))
         choices = []
         for j, f in enumerate(done):  # n > 1: each choice is an answer, with its own receipt
             choice = c.choice(j, cut[j][1], f.last, f.entries, parsed[j], cut[j][0])
             choice["bankml_receipt"] = run.receipt(j, f.text, f.last, f.entries)
             choices.append(choice)
-        return json_response(c.body_of(choices, done[0].last, None))
+        return json_response(c.body_of(choices, done[0].last, None, counted))
 
     async def open(self, request):
         return await open_sse(request)
@@ -146,6 +152,8 @@ class ChatWriter:
                 run.sent(j, "", rides)
                 entry = None
         calls, thoughts = self.calls[j], self.thoughts[j]
+        if out.token is not None:
+            self.pieces[j].append(out.text)
         if out.text and thoughts is not None:  # the thought as reasoning_content, the rest as below
             run.sent(j, out.text, entry)
             deltas = thoughts.feed(out.text)
@@ -182,8 +190,9 @@ class ChatWriter:
             for kind, delta in deltas:
                 await response.send(c.delta_chunk(kind, delta, j, out if timed else None))
             finish = finish_reason(out, parsed)
-        await response.send(c.final_chunks(out, j, finish))
-        await response.send(c.receipt_chunk(receipt, out, None if self.n == 1 else j))
+        counted = None if self.thought is None else self.thought.tokens(self.pieces[j])
+        await response.send(c.final_chunks(out, j, finish, counted))
+        await response.send(c.receipt_chunk(receipt, out, None if self.n == 1 else j, counted))
 
     async def failed(self, response, error: Exception) -> None:
         await response.send(stream_error(error))

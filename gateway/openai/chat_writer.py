@@ -44,10 +44,15 @@ def timings(out: StepOutput) -> dict:
             "predicted_per_second": rate(out.completion_tokens, out.predicted_ms)}
 
 
-def usage(out: StepOutput) -> dict:
-    return {"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
-            "total_tokens": out.completion_tokens + out.prompt_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def usage(out: StepOutput, reasoning_tokens: int | None = None) -> dict:
+    """`reasoning_tokens` (a thinking template's answer): the thought's tokens, its tags included, as OpenAI's
+    `completion_tokens_details` (left out for a template that does not think)."""
+    out_usage = {"completion_tokens": out.completion_tokens, "prompt_tokens": out.prompt_tokens,
+                 "total_tokens": out.completion_tokens + out.prompt_tokens,
+                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+    if reasoning_tokens is not None:
+        out_usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out_usage
 
 
 def logprob_entry(e: LogprobEntry) -> dict:
@@ -77,8 +82,8 @@ class ChatCompletion:
     include_usage: bool = False  # stream_options.include_usage: usage in a chunk of its own
 
     def body(self, text: str, last: StepOutput, receipt: dict, logprobs: list[dict] | None = None,
-             parsed: Parsed | None = None, reasoning: str = "") -> str:
-        return self.body_of([self.choice(0, text, last, logprobs, parsed, reasoning)], last, receipt)
+             parsed: Parsed | None = None, reasoning: str = "", reasoning_tokens: int | None = None) -> str:
+        return self.body_of([self.choice(0, text, last, logprobs, parsed, reasoning)], last, receipt, reasoning_tokens)
 
     @staticmethod
     def choice(index: int, text: str, last: StepOutput, logprobs: list[dict] | None = None,
@@ -98,7 +103,8 @@ class ChatCompletion:
             choice["logprobs"] = {"content": logprobs}
         return choice
 
-    def body_of(self, choices: list[dict], last: StepOutput, receipt: dict | None) -> str:
+    def body_of(self, choices: list[dict], last: StepOutput, receipt: dict | None,
+                reasoning_tokens: int | None = None) -> str:
         """The answer with these choices; `usage` and `timings` are `last`'s (llama-server merges the
         choices of `n` > 1 into its first answer's object, whose usage and timings it keeps)."""
         res: dict[str, Any] = {
@@ -107,7 +113,7 @@ class ChatCompletion:
             "model": self.model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "object": "chat.completion",
-            "usage": usage(last),
+            "usage": usage(last, reasoning_tokens),
             "id": self.id,
             "timings": timings(last),
         }
@@ -157,21 +163,25 @@ class ChatCompletion:
         choice = {"finish_reason": None, "index": index, "delta": {"role": "assistant", "content": None}}
         return self._chunk([choice], prompt_progress=progress)
 
-    def final_chunks(self, last: StepOutput, index: int = 0, reason: str | None = None) -> bytes:
+    def final_chunks(self, last: StepOutput, index: int = 0, reason: str | None = None,
+                     reasoning_tokens: int | None = None) -> bytes:
         """The finish_reason's chunk (`reason` in place of the engine's: tool_calls), then (include_usage)
         the usage chunk; `usage` and the whole `timings` on the last one, as llama-server sends them."""
         finish = [{"finish_reason": reason or last.finish_reason.value, "index": index, "delta": {}}]
+        used = usage(last, reasoning_tokens)
         if not self.include_usage:
-            return self._chunk(finish, usage=usage(last), timings=timings(last))
-        return self._chunk(finish) + self._chunk([], usage=usage(last), timings=timings(last))
+            return self._chunk(finish, usage=used, timings=timings(last))
+        return self._chunk(finish) + self._chunk([], usage=used, timings=timings(last))
 
-    def receipt_chunk(self, receipt: dict, last: StepOutput, index: int | None = None) -> bytes:
+    def receipt_chunk(self, receipt: dict, last: StepOutput, index: int | None = None,
+                      reasoning_tokens: int | None = None) -> bytes:
         """The receipt, last before [DONE]: a chunk of no choices, as the usage chunk is, with the answer's
         `usage` and `timings` again, so a client that takes every chunk without choices for the usage
         chunk (the openai client's stream helper, llama-server's own tests) reads the same figures. With
         `n` > 1, one per choice, after its last chunk, with the choice's `index`."""
         extra: dict[str, Any] = {"index": index} if index is not None else {}
-        return self._chunk([], **extra, usage=usage(last), timings=timings(last), bankml_receipt=receipt)
+        return self._chunk([], **extra, usage=usage(last, reasoning_tokens), timings=timings(last),
+                           bankml_receipt=receipt)
 
 
 def _event(obj: dict) -> bytes:

@@ -34,6 +34,7 @@ class Finished:
     tokens: list[int] = field(default_factory=list)
     entries: list[dict] = field(default_factory=list)
     has_new_line: bool = False  # llama-server's: a released piece held a newline
+    pieces: list[str] = field(default_factory=list)  # each output's text, in order (a thought's tokens are counted by it)
 
 
 def completed(out: StepOutput | None) -> bool:
@@ -63,7 +64,7 @@ async def _read(loaded, generation, entry: Entry | None) -> Finished:
     if last.logprobs_trim:  # the stop word's own tokens, as llama-server trims them
         entries = entries[:max(0, len(entries) - last.logprobs_trim)]
     released = "".join(pieces)
-    return Finished(released + last.held_text, last, tokens, entries, "\n" in released)
+    return Finished(released + last.held_text, last, tokens, entries, "\n" in released, pieces)
 
 
 async def whole(loaded, requests: list[GenerateRequest], entry: Entry | None = None) -> list[Finished]:

@@ -182,6 +182,25 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def thought_tokens(pieces: list[str], tags: tuple[str, str] | None, started: bool = False) -> int:
+    """The answer's tokens that make its thought, tags included (`usage`'s reasoning_tokens): the outputs (a
+    token each, `pieces` their texts) that begin before the close tag ends; 0 without a thought."""
+    if tags is None:
+        return 0
+    text = "".join(pieces)
+    lead = len(text) - len(text.lstrip())
+    if not started and not text.startswith(tags[0], lead):
+        return 0
+    end = text.find(tags[1])
+    thought_chars = len(text) if end < 0 else end + len(tags[1])
+    n, at = 0, 0
+    for piece in pieces:
+        if at >= thought_chars:
+            break
+        n, at = n + 1, at + len(piece)
+    return n
+
+
 def opened(tokenizer, prompt: list[int], tags: tuple[str, str] | None) -> bool:
     """`started` from a prompt's tokens: its last few, as text (specials included)."""
     if tags is None or not prompt:
