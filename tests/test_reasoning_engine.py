@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import CliServer, tiny_model
+from gateway_helpers import CliServer, sse_data, tiny_model
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,3 +104,18 @@ def test_r1s_opened_thought_is_closed_at_the_budget(r1):
         assert len(text.split(b"</think>")[0]) <= 2 * budget  # the prompt opened it: the answer starts inside
         split = chat(r1, reasoning_budget_tokens=budget)["choices"][0]["message"]
         assert "</think>" not in split["content"]
+
+
+def test_a_streamed_thought_carries_every_tokens_logprob_entry(qwen3):
+    body = {"messages": HI, "max_tokens": 24, "temperature": 1.0, "seed": 5, "logprobs": True, "top_logprobs": 1,
+            "reasoning_budget_tokens": 3}
+    whole = httpx.post(qwen3.url("/v1/chat/completions"), json=body, timeout=300).json()
+    stream = httpx.post(qwen3.url("/v1/chat/completions"), json={**body, "stream": True}, timeout=300).text
+    chunks = [e for e in sse_data(stream) if e != "[DONE]" and e["choices"]]
+    entries = [x for e in chunks for x in (e["choices"][0].get("logprobs") or {}).get("content", [])]
+    # the tags' tokens are held until the text is sure; their entries ride on the next chunk sent
+    assert [x["id"] for x in entries] == [x["id"] for x in whole["choices"][0]["logprobs"]["content"]]
+    deltas = [e["choices"][0]["delta"] for e in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["choices"][0]["message"].get(
+        "reasoning_content", "")
+    assert "".join(d.get("content") or "" for d in deltas) == whole["choices"][0]["message"]["content"]

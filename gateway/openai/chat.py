@@ -115,6 +115,7 @@ class ChatWriter:
         self.thoughts = [None if self.thought is None else ThoughtStream(self.thought.tags, self.thought.started)
                          for _ in range(n)]
         self.pieces: list[list[str]] = [[] for _ in range(n)]  # each choice's outputs, for reasoning_tokens
+        self.waiting: list[list[dict]] = [[] for _ in range(n)]  # logprob entries no chunk has carried yet
         self.opened = [False] * n
 
     async def whole(self, run: Run):
@@ -160,7 +161,8 @@ class ChatWriter:
             if self.thought.reasoning.legacy:  # deepseek-legacy: the content is the text as generated
                 deltas = [(k, d) for k, d in deltas if k == "reasoning"] + [("content", out.text)]
                 calls = None
-            await self._send(response, j, out, deltas, entry, calls)
+            waiting = self.waiting[j] + (entry or [])  # entries of tokens whose text is held (a tag)
+            self.waiting[j] = await self._send(response, j, out, deltas, waiting or None, calls) or []
         elif out.text and calls is not None:  # tools: content once it is sure to be, calls once whole
             run.sent(j, out.text)
             for kind, delta in calls.feed(out.text):
@@ -169,22 +171,23 @@ class ChatWriter:
             await response.send(c.chunk(out.text, entry, j, out if timed else None))
             run.sent(j, out.text, entry)
 
-    async def _send(self, response, j: int, out: StepOutput, deltas: list[tuple[str, str]], entry: list | None,
-                    calls: ToolStream | None) -> None:
+    async def _send(self, response, j: int, out: StepOutput, deltas: list[tuple[str, str]], entries: list | None,
+                    calls: ToolStream | None) -> list | None:
         """A thinking answer's deltas: the thought's as they are, the content's through the tools' stream;
-        the output's logprob entry rides on its first chunk."""
+        the logprob entries ride on the first chunk. What no chunk carried is returned."""
         timed = out if self.timed else None
         for kind, delta in deltas:
             pieces = calls.feed(delta) if kind == "content" and calls is not None else [(kind, delta)]
             for k, d in pieces:
-                await response.send(self.completion.delta_chunk(k, d, j, timed, entry))
-                entry = None
+                await response.send(self.completion.delta_chunk(k, d, j, timed, entries))
+                entries = None
+        return entries
 
     async def last(self, response, run: Run, j: int, out: StepOutput, receipt: dict) -> None:
         c, timed = self.completion, self.timed
         finish = None
         if self.thoughts[j] is not None and not self.thought.reasoning.legacy:
-            await self._send(response, j, out, self.thoughts[j].finish(), None, self.calls[j])
+            await self._send(response, j, out, self.thoughts[j].finish(), self.waiting[j] or None, self.calls[j])
         if self.calls[j] is not None:
             deltas, parsed = self.calls[j].finish()
             for kind, delta in deltas:
