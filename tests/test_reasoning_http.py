@@ -221,3 +221,9 @@ def test_ollamas_generate_has_thinking_beside_response(r1):
 def test_a_bad_think_value_is_ollamas_400(qwen3):
     r = post(qwen3, "/api/chat", {"model": "tiny-model.q8_0", "messages": HI, "think": "max", "stream": False})
     assert r.status_code == 400 and "invalid think value" in r.json()["error"]
+
+
+@pytest.mark.parametrize("template", ["qwen3", "r1"])
+def test_props_says_the_template_thinks(request, template):
+    props = httpx.get(request.getfixturevalue(template).url("/props"), timeout=30).json()
+    assert props["thought_tags"] == ["<think>", "</think>"]

@@ -15,7 +15,9 @@
   Prometheus), `endpoint_props` false (POST /props is refused, as llama-server without --props).
 
 - `chat_template_caps`: found as llama.cpp finds them (gateway/serving/template_caps.py), for the tool-use
-  template when there is one (common_chat_templates_get_caps takes the more expressive one).
+  template when there is one (common_chat_templates_get_caps takes the more expressive one);
+- `thought_tags` (ours, only for a template that thinks): the tags its model thinks between, whose thought
+  the answers cut out (gateway/serving/reasoning.py).
 
 Left out, because we cannot fill it truthfully: `media_marker` (this server takes no media, so no
 marker means anything in a prompt). Kept beside llama-server's: `n_ctx` at the top (bankml's /props
@@ -30,6 +32,7 @@ from typing import Any
 
 from bankml import __version__
 from gateway.http.json_values import f32
+from gateway.serving.reasoning import thought_tags
 from gateway.serving.template_caps import template_caps
 from model.chat_template import CHATML_TEMPLATE
 from model.messages import SamplingParams
@@ -149,4 +152,7 @@ def props_json(loaded: Any) -> dict[str, Any]:
     })
     if tool_use is not None and m.chat_template_sha256 is None:
         out["chat_template_tool_use"] = tool_use
+    tags = thought_tags(m.chat_template)
+    if tags is not None:  # ours: the template thinks, between these tags (gateway/serving/reasoning.py)
+        out["thought_tags"] = list(tags)
     return out
