@@ -135,16 +135,21 @@ def test_the_r1_prompt_opens_the_thought_itself(r1):
     assert "".join(d.get("content") or "" for d in deltas) == REPLY
 
 
-def test_a_tool_call_is_parsed_from_the_answer_after_the_thought(qwen3):
+@pytest.mark.parametrize("fmt", ["deepseek", "deepseek-legacy"])
+def test_a_tool_call_is_parsed_from_the_answer_after_the_thought(qwen3, fmt):
     messages = [{"role": "user", "content": "Weather in Paris? THINKTOOL"}]
-    answer = client(qwen3).chat.completions.create(model="tiny", messages=messages, tools=[TOOL])
+    extra = {"reasoning_format": fmt}
+    answer = client(qwen3).chat.completions.create(model="tiny", messages=messages, tools=[TOOL], extra_body=extra)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == THOUGHT
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    assert not choice.message.content
+    # legacy: the content keeps the thought (the text around the call), else there is none
+    kept = "<think>\nThe user greets me. I answer.\n</think>" if fmt == "deepseek-legacy" else None
+    assert (choice.message.content or None) == kept
     assert answer.model_extra["bankml_receipt"]["response_sha256"] == sha256("".join(THINK_CALL_PIECES))
-    stream = client(qwen3).chat.completions.create(model="tiny", messages=messages, tools=[TOOL], stream=True)
+    stream = client(qwen3).chat.completions.create(model="tiny", messages=messages, tools=[TOOL], stream=True,
+                                                   extra_body=extra)
     thought, calls, content, finish = "", [], "", None
     for chunk in stream:
         if chunk.choices:
@@ -153,7 +158,7 @@ def test_a_tool_call_is_parsed_from_the_answer_after_the_thought(qwen3):
             content += delta.content or ""
             calls += delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-    assert thought == THOUGHT and content == "" and finish == "tool_calls"
+    assert thought == THOUGHT and (content or None) == kept and finish == "tool_calls"
     assert [c.function.name for c in calls] == ["get_weather"]
 
 

@@ -160,7 +160,6 @@ class ChatWriter:
             deltas = thoughts.feed(out.text)
             if self.thought.reasoning.legacy:  # deepseek-legacy: the content is the text as generated
                 deltas = [(k, d) for k, d in deltas if k == "reasoning"] + [("content", out.text)]
-                calls = None
             waiting = self.waiting[j] + (entry or [])  # entries of tokens whose text is held (a tag)
             self.waiting[j] = await self._send(response, j, out, deltas, waiting or None, calls) or []
         elif out.text and calls is not None:  # tools: content once it is sure to be, calls once whole
