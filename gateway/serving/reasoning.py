@@ -1,7 +1,8 @@
 """Reasoning models: the thought split from the answer, for every dialect.
 
-A template that thinks (Qwen3's and DeepSeek-R1's `<think>`, and the other forms llama.cpp's chat parser
-detects) makes the model write its thought first, between tags, then the answer. Every dialect shows the
+A template that thinks (Qwen3's and DeepSeek-R1's `<think>`; llama.cpp's chat parser knows other forms, such
+as Command R7B's `<|START_THINKING|>` and gpt-oss's channels, which are not cut out here yet) makes the model
+write its thought first, between tags, then the answer. Every dialect shows the
 two apart: chat's `reasoning_content`, Ollama's `thinking`, Anthropic's `thinking` blocks, Responses'
 `reasoning` items. This module is the one place that knows the tags:
 
@@ -53,8 +54,8 @@ class Reasoning:
 
     def template_kwargs(self) -> dict[str, Any]:
         """The variables the template renders with (enable_thinking among them when chosen). A budget of 0
-        asks for no thought: enable_thinking false, for a template that reads it (one that does not is
-        closed at once by `constrain`)."""
+        asks for no thought: enable_thinking false, for a template that reads it (Qwen3's); a prompt that
+        opens the thought anyway (DeepSeek-R1's) has it closed at once by `constrain`."""
         out = dict(self.kwargs)
         if self.enable is not None:
             out["enable_thinking"] = self.enable
