@@ -46,7 +46,7 @@ class Shape:
     model: str
     req: ResponsesRequest
     plan: ToolPlan | None
-    tags: tuple[str, str] | None  # the template's thought tags (None: it does not think, or no split)
+    tags: tuple[str, str] | None  # the template's thought tags (None: it does not think)
     started: bool  # the prompt opened the thought
 
     def body(self, status: str, output: list[dict], last: StepOutput | None, reasoning_tokens: int = 0,
