@@ -17,6 +17,7 @@ from typing import Any
 from bankml.errors import ContextExceeded, InvalidRequest
 from bankml.serve_files import ChatTemplateFile
 from gateway.serving.request_fields import gguf_defaults
+from gateway.serving.tool_calls import polyfilled_history
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
 from model.tokenizer_bpe import InvalidText, TokenLimitExceeded
@@ -46,6 +47,7 @@ class NativeModel:
         template (gateway/serving/tool_calls.py), `template_kwargs` its other variables (chat_template_kwargs:
         enable_thinking and the like, gateway/serving/reasoning.py); a template error is a 400."""
         tok = self.tokenizer
+        messages = polyfilled_history(messages, self.chat_template)
         try:
             return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=tok.bos_token, eos_token=tok.eos_token,
