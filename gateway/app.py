@@ -32,6 +32,7 @@ from bankml.errors import ConfigInvalid, refuse_start
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
 from gateway.anthropic import messages as anthropic_messages
+from gateway.anthropic import models as anthropic_models
 from gateway.http.access import Access
 from gateway.http.loopback import Limits, make_protocol
 from gateway.http.sanic_app import bind, sanic_app
@@ -72,7 +73,8 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/metrics"): monitor_routes.prometheus,
     ("GET", "/health"): llama_routes.health,
     ("GET", "/props"): llama_routes.props,
-    ("GET", "/v1/models"): llama_routes.models,
+    ("GET", "/v1/models"): anthropic_models.models,  # OpenAI's list, or Anthropic's for its clients
+    ("GET", "/v1/models/{id}"): anthropic_models.model,
     ("GET", "/slots"): llama_routes.slots,  # and /slots?fail_on_no_slot=1
     ("GET", "/"): monitor_routes.root,  # the status page for a browser, else one line
     ("HEAD", "/"): monitor_routes.root,

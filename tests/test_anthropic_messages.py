@@ -399,3 +399,20 @@ def test_a_thinking_template_splits_the_thought_unasked_and_reads_thinking_disab
         assert m.usage.input_tokens + m.usage.cache_read_input_tokens == off
     finally:
         s.stop()
+
+
+def test_the_model_list_is_anthropics_for_its_sdk_and_openais_for_the_rest(server, client):
+    import openai
+
+    listed = client.models.list()  # the SDK sends anthropic-version: Anthropic's list, which it parses
+    ids = [m.id for m in listed.data]
+    assert ids == ["Tiny-Model.Q8_0.gguf", "Other-Model.Q8_0.gguf"]
+    assert all(m.type == "model" and m.display_name == m.id and m.created_at.year >= 1970 for m in listed.data)
+    assert client.models.retrieve(ids[0]).id == ids[0]
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("no-such-model")
+    oai = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0)
+    assert sorted(m.id for m in oai.models.list()) == sorted(ids)
+    assert oai.models.retrieve(ids[0]).owned_by == "bankML"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")

@@ -22,9 +22,10 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import unquote
 
 from bankml import jstr
-from bankml.errors import EngineGone, ModelUnusable, NotServed, NotSupported, Overloaded
+from bankml.errors import EngineGone, ModelNotFound, ModelUnusable, NotServed, NotSupported, Overloaded
 from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.json_values import get_bool, json_value
@@ -74,6 +75,15 @@ async def change_props(request, state):
 async def models(request, state):
     # off the loop: a derived model's manifest not read yet (or changed) is read and checked from disk
     return json_response(jstr.dumps({"object": "list", "data": await _off_loop(v1_models_data, state.registry)}))
+
+
+async def model(request, state):
+    """OpenAI's `GET /v1/models/{model}`: the listed model of that id, else OpenAI's 404 naming it."""
+    wanted = unquote(request.raw_url.decode("latin-1").partition("?")[0].rpartition("/")[2])
+    for m in await _off_loop(v1_models_data, state.registry):
+        if m["id"] == wanted:
+            return json_response(jstr.dumps(m))
+    raise ModelNotFound(f"The model '{wanted}' does not exist")
 
 
 async def tokenize(request, state):
