@@ -78,7 +78,7 @@ def _prompt(model, chat: ChatRequest, req: MessagesRequest) -> tuple[list[int], 
     plan = tool_plan(chat.tools, chat.messages, model.chat_template)
     messages, tools = (chat.messages, None) if plan is None else (plan.messages, plan.template_tools)
     kwargs = req.reasoning.template_kwargs() or None
-    prompt = model.prompt(messages, True, tools, kwargs)
+    prompt = model.prompt(messages, chat.add_generation_prompt, tools, kwargs, chat.continue_final)  # a prefill
     # the thought's tags: the template's, or <think> when the request asks for thinking on one that names none
     tags = thought_tags(model.chat_template) or (TAGS[0] if req.thinking else None)
     return prompt, Cut(tags, opened(model.tokenizer, prompt, tags), plan, req.omit_thought)

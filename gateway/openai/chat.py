@@ -73,8 +73,9 @@ def _prompt(model, chat: ChatRequest) -> tuple[ToolPlan | None, list[int]]:
     plan = tool_plan(chat.tools, chat.messages, model.chat_template, chat.response_schema)
     kwargs = chat.reasoning.template_kwargs() or None
     if plan is None:
-        return None, model.prompt(chat.messages, chat.add_generation_prompt, None, kwargs)
-    return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools, kwargs)
+        return None, model.prompt(chat.messages, chat.add_generation_prompt, None, kwargs, chat.continue_final)
+    return plan, model.prompt(plan.messages, chat.add_generation_prompt, plan.template_tools, kwargs,
+                              chat.continue_final)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class ChatRequest:
     response_schema: Any = None  # with tools: the schema a response that does not call answers in
     id_slot: int = -1  # llama-server's: the sequence slot to run in (-1: any)
     reasoning: Reasoning = field(default_factory=Reasoning)  # reasoning_format, chat_template_kwargs, the budget
+    continue_final: bool = False  # the final assistant message is continued (prompt_ending)
 
 
 def bad(message: str) -> InvalidRequest:
@@ -234,8 +235,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
         ("t_max_predict_ms", p.get("t_max_predict_ms", -1) > 0, None),
         ("lora", bool(p.get("lora")), None),
         ("echo", p.get("echo") is True, None),
-        ("continue_final_message", has_value(request, "continue_final_message")
-         and request["continue_final_message"] is not False, None),
         ("reasoning_budget_message", bool(p.get("reasoning_budget_message")), "the thought is closed with no message"),
         ("reasoning_budget_start_tag", bool(p.get("reasoning_budget_start_tag")), "the template's own tags are used"),
         ("reasoning_budget_end_tags", bool(p.get("reasoning_budget_end_tags")), "the template's own tags are used"),
@@ -256,8 +255,6 @@ def refuse_unsupported(p: dict, request: dict, messages: list[dict]) -> None:
             if why:
                 raise NotSupported(f"'{name}' is not supported by bankml serve --native: {why}")
             raise _not_supported(name)
-    if messages and messages[-1]["role"] == "assistant":  # llama-server would continue that message
-        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
 
 
 _SAMPLING = {f.name for f in fields(SamplingParams)}
@@ -290,8 +287,29 @@ def parse_chat_request(request: Any, defaults: SamplingParams | None = None, n_m
     p["logit_bias"] = read_logit_bias(p.get("logit_bias"))
     p["ignore_eos"] = bool(p.get("ignore_eos"))
     sp = SamplingParams(**{k: v for k, v in p.items() if k in _SAMPLING})
-    add_generation_prompt = json_value(request, "add_generation_prompt", True, get_bool)
+    add_generation_prompt, continue_final = prompt_ending(request, messages)
     return ChatRequest(messages, bool(p["stream"]), sp, model, add_generation_prompt,
                        bool(p["include_usage"]), int(p["n"]), timings_per_token, return_progress, grammar,
-                       tools, schema, json_value(request, "id_slot", -1, get_int), reasoning)
+                       tools, schema, json_value(request, "id_slot", -1, get_int), reasoning, continue_final)
+
+
+def prompt_ending(request: dict, messages: list[dict]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message), as llama-server decides them (server-common.cpp,
+    oaicompat_chat_params_parse): a final assistant message is continued, its text the start of the answer
+    (the assistant prefill Anthropic's and OpenAI's clients use to steer a reply), unless the body asks
+    `continue_final_message` itself (vLLM's and transformers' name), which excludes a generation prompt."""
+    add = json_value(request, "add_generation_prompt", True, get_bool)
+    asked = bool(json_value(request, "continue_final_message", False, get_bool))
+    final = messages[-1] if messages else None
+    if not asked and final is not None and final["role"] == "assistant":
+        if len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise bad("Cannot have 2 or more assistant messages at the end of the list.")
+        asked, add = True, False
+    elif asked and add:
+        raise bad("Cannot set both add_generation_prompt and continue_final_message to true.")
+    if asked and (final is None or final["role"] != "assistant"):
+        raise bad("continue_final_message needs a final assistant message to continue")
+    if asked and final.get("tool_calls"):
+        raise bad("a final assistant message with tool_calls cannot be continued: send the tools' results")
+    return add, asked
 

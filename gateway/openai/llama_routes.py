@@ -25,12 +25,11 @@ from typing import Any
 from urllib.parse import unquote
 
 from bankml import jstr
-from bankml.errors import EngineGone, ModelNotFound, ModelUnusable, NotServed, NotSupported, Overloaded
+from bankml.errors import EngineGone, ModelNotFound, ModelUnusable, NotServed, Overloaded
 from gateway.http.body import parse_body
 from gateway.http.errors import json_response
-from gateway.http.json_values import get_bool, json_value
 from gateway.http.sanic_app import query_of, takes_query
-from gateway.openai.chat_request import openai_layer
+from gateway.openai.chat_request import openai_layer, prompt_ending
 from gateway.openai.params_json import params_json
 from gateway.openai.props import props_json
 from gateway.openai.slots import model_named, slot_model
@@ -106,10 +105,9 @@ async def apply_template(request, state):
     (oaicompat_chat_params_parse, its 400s), and the prompt its template makes, `{"prompt"}`."""
     req = await _off_loop(parse_body, request.body)
     _, messages = await _off_loop(openai_layer, req)  # as a chat reads them, content parts too
-    refuse_template_changes(req, messages)
-    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    ending = prompt_ending(req, messages)  # (add_generation_prompt, continue_final_message)
     loaded = await state.residency.current()
-    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
+    prompt = await _off_loop(_render, loaded.model, req, messages, ending)
     return json_response(jstr.dumps({"prompt": prompt}))
 
 
@@ -118,30 +116,24 @@ async def count_tokens(request, state):
     prompt, templated as /apply-template makes it and tokenized with BOS and special tokens, counted."""
     req = await _off_loop(parse_body, request.body)
     _, messages = await _off_loop(openai_layer, req)
-    refuse_template_changes(req, messages)
-    add_generation_prompt = json_value(req, "add_generation_prompt", True, get_bool)
+    ending = prompt_ending(req, messages)  # (add_generation_prompt, continue_final_message)
     loaded = await state.residency.current()
-    prompt = await _off_loop(_render, loaded.model, req, messages, add_generation_prompt)
+    prompt = await _off_loop(_render, loaded.model, req, messages, ending)
     tokens = await _off_loop(loaded.model.tokenize, prompt, True, True)
     return json_response(jstr.dumps({"input_tokens": len(tokens), "object": "response.input_tokens"}))
 
 
-def _render(model, req: dict, messages: list[dict], add_generation_prompt: bool) -> str:
+def _render(model, req: dict, messages: list[dict], ending: tuple[bool, bool]) -> str:
     """The prompt text a chat with this body would get: with its tools, as gateway/serving/tool_calls.py plans them,
     and the template's variables (chat_template_kwargs, reasoning_effort, a budget of 0: gateway/serving/reasoning.py)."""
     budget = req.get("reasoning_budget_tokens")
     kwargs = read_chat(req, budget if isinstance(budget, int) and not isinstance(budget, bool) else -1)
     kwargs = kwargs.template_kwargs() or None
     plan = tool_plan(read_tools(req), messages, model.chat_template)
+    add_generation_prompt, continue_final = ending
     if plan is None:
-        return model.render(messages, add_generation_prompt, None, kwargs)
-    return model.render(plan.messages, add_generation_prompt, plan.template_tools, kwargs)
-
-
-def refuse_template_changes(req: dict, messages: list[dict]) -> None:
-    """What would change llama-server's prompt and our template cannot take: a 400 naming it."""
-    if messages and messages[-1]["role"] == "assistant":  # llama-server would prefill that message
-        raise NotSupported("a final assistant message (continuing it) is not supported by bankml serve --native yet")
+        return model.render(messages, add_generation_prompt, None, kwargs, continue_final)
+    return model.render(plan.messages, add_generation_prompt, plan.template_tools, kwargs, continue_final)
 
 
 @takes_query

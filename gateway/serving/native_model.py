@@ -42,10 +42,12 @@ class NativeModel:
                    gguf_defaults(kv))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-               template_kwargs: dict | None = None) -> str:
+               template_kwargs: dict | None = None, continue_final: bool = False) -> str:
         """The prompt text for a conversation (llama-server's /apply-template), `tools` passed to the
         template (gateway/serving/tool_calls.py), `template_kwargs` its other variables (chat_template_kwargs:
         enable_thinking and the like, gateway/serving/reasoning.py); a template error is a 400."""
+        if continue_final:
+            return self._continued(messages, tools, template_kwargs)
         tok = self.tokenizer
         messages = polyfilled_history(messages, self.chat_template)
         try:
@@ -55,6 +57,22 @@ class NativeModel:
                                extra_context=template_kwargs)
         except TemplateError as e:
             raise InvalidRequest(str(e)) from None
+
+    def _continued(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
+        """The prompt that continues the final (assistant) message, as transformers' continue_final_message
+        and llama-server's assistant prefill make it: the conversation rendered with that message, cut just
+        after its text (the template's end of turn dropped). A final message with no text is the turn to
+        come; one whose text the template does not render cannot be continued: a 400."""
+        final = messages[-1].get("content")
+        final = final.strip() if isinstance(final, str) else ""
+        if not final:
+            return self.render(messages[:-1], True, tools, template_kwargs)
+        text = self.render(messages, False, tools, template_kwargs)
+        at = text.rfind(final)
+        if at < 0:
+            raise InvalidRequest("the final assistant message cannot be continued: its text does not appear in "
+                                 "the prompt the chat template makes")
+        return text[:at + len(final)]
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool, limit: int | None = None) -> list[int]:
         """The text's tokens (llama-server's /tokenize: the whole text). A text the tokenizer cannot take
@@ -66,13 +84,14 @@ class NativeModel:
         return [int(t) for t in ids]
 
     def prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+               tools: list[dict] | None = None, template_kwargs: dict | None = None,
+               continue_final: bool = False) -> list[int]:
         """Template, then tokens, as llama-server builds a chat prompt (special tokens parsed, BOS added).
 
         The tokenizer stops once a prompt is sure not to fit: up to `count_limit` tokens the count in
         llama-server's exceed_context_size_error is exact, beyond it the count made so far ("at least").
         """
-        text = self.render(messages, add_generation_prompt, tools, template_kwargs)
+        text = self.render(messages, add_generation_prompt, tools, template_kwargs, continue_final)
         try:
             return self.tokenize(text, add_special=True, parse_special=True, limit=self.count_limit)
         except TokenLimitExceeded as e:
