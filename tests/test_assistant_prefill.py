@@ -1,7 +1,7 @@
 """A final assistant message is continued (llama-server's assistant prefill, vLLM's continue_final_message,
 Anthropic's prefill): the prompt is the conversation cut just after that message's text, and the answer is
-what comes next. Through /apply-template (the prompt itself), /v1/chat/completions, the input-token counts
-and Anthropic's /v1/messages with its SDK; the combinations llama-server refuses are its 400s."""
+what comes next. Through /apply-template (the prompt itself), /v1/chat/completions, the input-token counts,
+Anthropic's /v1/messages and Ollama's /api/chat with their SDKs; the combinations llama-server refuses are its 400s."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 
 import anthropic
 import httpx
+import ollama
 import pytest
 from fake_engine import REPLY
 from gateway_helpers import FakeServer, tiny_model
@@ -83,3 +84,14 @@ def test_anthropics_prefill_through_its_sdk(server):
     counted = client.messages.count_tokens(model="tiny-model.q8_0", messages=messages).input_tokens
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == counted
     assert counted == len(prompt(server, {"messages": messages}).encode())
+
+
+def test_ollamas_prefill_through_its_client(server):
+    client = ollama.Client(host=server.url(""))
+    messages = [HI, {"role": "assistant", "content": "Whill"}]
+    r = client.chat(model="tiny-model.q8_0", messages=messages)
+    assert r.message.content == REPLY and r.message.role == "assistant"
+    assert r.prompt_eval_count == len(prompt(server, {"messages": messages}).encode())  # the continued prompt
+    called = [HI, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    assert client.chat(model="tiny-model.q8_0", messages=called).message.content == REPLY  # a finished turn

@@ -43,8 +43,19 @@ def _encode(model: Any, text: str, limit: int) -> list[int]:
 
 def _tokens(model: Any, messages: list[dict], limit: int, tools: list[dict] | None = None,
             template_kwargs: dict | None = None) -> list[int]:
-    text = model.render(messages, True, tools, template_kwargs) if template_kwargs else model.render(messages, True, tools)
+    if continues(messages):
+        text = model.render(messages, False, tools, template_kwargs, True)
+    elif template_kwargs:
+        text = model.render(messages, True, tools, template_kwargs)
+    else:
+        text = model.render(messages, True, tools)
     return _encode(model, text, limit)
+
+
+def continues(messages: list[dict]) -> bool:
+    """Ollama's prefill (template/template.go, Execute): a final assistant message is continued, the answer
+    what comes after its text; one that only calls tools is a finished turn."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
 
 
 def _too_long(n: str, num_ctx: int, dropped: int, what: str = "prompt", fix: str = "the last message") -> InvalidRequest:
