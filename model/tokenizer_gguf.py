@@ -67,7 +67,11 @@ def _decode_reader_field(field: Any) -> Any:
 def read_kv(path: str | os.PathLike, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, Any]:
     """Read a GGUF file's key/value section (v2 or v3, little-endian) without touching its tensors."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return _KVReader(memoryview(mm)).read(prefixes)
+        try:
+            return _KVReader(memoryview(mm)).read(prefixes)
+        except GGUFReadError as e:  # raised outside: its traceback's frames hold views of the mmap
+            error = GGUFReadError(*e.args)
+    raise error
 
 
 class _KVReader:
@@ -103,10 +107,33 @@ class _KVReader:
         out: dict[str, Any] = {}
         for _ in range(n_kv):
             name = self._string()
-            value = self._value(self._unpack("<I"))
-            if not prefixes or name.startswith(prefixes):
+            wanted = not prefixes or name.startswith(prefixes)
+            t = self._unpack("<I")
+            if not wanted and t == _ARRAY and self._skip_strings():
+                continue
+            value = self._value(t)
+            if wanted:
                 out[name] = value
         return out
+
+    def _skip_strings(self) -> bool:
+        """Step over an array of strings no one asked for (a vocabulary, its merges) without decoding it;
+        False, with nothing read, when the array holds something else."""
+        start = self.o
+        elem, n = self._unpack("<I"), self._unpack("<Q")
+        if elem != _STRING:
+            self.o = start
+            return False
+        buf, o, end, unpack = self.buf, self.o, len(self.buf), struct.Struct("<Q").unpack_from
+        for _ in range(n):
+            if o + 8 > end:
+                raise GGUFReadError(f"gguf string at byte {o} runs past the end of the file")
+            (length,) = unpack(buf, o)
+            o += 8 + length
+            if o > end:
+                raise GGUFReadError(f"gguf string at byte {o - length} runs past the end of the file")
+        self.o = o
+        return True
 
     def _value(self, t: int) -> Any:
         if t in _SCALAR_FMT:
