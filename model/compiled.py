@@ -6,8 +6,6 @@ first use; `warmup` compiles the whole table, or only what first short requests 
 the background got to it is compiled on demand, once: whichever thread began it, the others wait for
 that program only, never for the others.
 
-A program compiled before (by any process, same sources and environment) is loaded as an executable
-from beside JAX's persistent cache instead of traced and lowered again (model/executables.py).
 Programs are traced and lowered from shapes alone (`Specs`), never from the live arrays, which the
 engine thread donates and replaces while a background compile runs.
 """
@@ -28,7 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from bankml.progress import stderr_progress
-from model import executables
 from model.config import Config
 from model.kvcache import KVPool
 from model.programs import Key, ProgramTable
@@ -104,13 +101,9 @@ class ProgramCache:
             return future.result()
         try:
             t0 = time.perf_counter()
-            name = self._stored_name(key)
-            program = executables.load(name)
-            if program is None:
-                with LOWERING:
-                    lowered = self.lower(kind, t, window)
-                program = lowered.compile()
-                executables.store(name, program)
+            with LOWERING:
+                lowered = self.lower(kind, t, window)
+            program = lowered.compile()
             spent = time.perf_counter() - t0
         except BaseException as e:
             with self._lock:
@@ -123,11 +116,6 @@ class ProgramCache:
             self.compile_s += spent
         future.set_result(program)
         return program
-
-    def _stored_name(self, key: Key) -> str:
-        """The on-disk executable's name for `key` (model/executables.py): everything `lower` reads."""
-        table = (self.table.n_ctx, self.table.page_size, self.max_pages, self.branchless)
-        return executables.digest(key, table, repr(self.config), repr(self.specs))
 
     def lower(self, kind: str, t: int, window: int):
         """Trace and lower one program from `specs`. For "prefill" t is the chunk's bucket, for
