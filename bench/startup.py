@@ -34,7 +34,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 PHASES = (("gate_s", re.compile(r"bankml serve: verified ")),
           ("imports_s", re.compile(r"bankml serve: loading ")),
