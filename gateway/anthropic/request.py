@@ -204,9 +204,7 @@ def _text_of(blocks: Any, where: str) -> str:
         raise bad(f"{where}: Input should be a valid string or a list of blocks")
     texts = []
     for j, b in enumerate(blocks):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind in UNREAD_BLOCKS:
-            raise _refused(f"{where}.{j}: the '{kind}' block", UNREAD_BLOCKS[kind])
+        kind = _kind(b, f"{where}.{j}")
         if kind != "text" or not isinstance(b.get("text"), str):
             raise bad(f"{where}.{j}: a text block ({{\"type\": \"text\", \"text\": \"...\"}}) is expected, "
                       f"got {_short(b)}")
@@ -259,17 +257,27 @@ def _conversation(system: Any, turns: Any) -> tuple[list[dict], list[str | None]
     return out, thoughts
 
 
+def _kind(b: Any, at: str) -> Any:
+    """A content block's type; a block we cannot read is a 400 naming it."""
+    kind = b.get("type") if isinstance(b, dict) else None
+    if kind in UNREAD_BLOCKS:
+        raise _refused(f"{at}: the '{kind}' block", UNREAD_BLOCKS[kind])
+    return kind
+
+
+def _block_text(b: dict, at: str) -> str:
+    if not isinstance(b.get("text"), str):
+        raise bad(f"{at}.text: Field required")
+    return b["text"]
+
+
 def _user_blocks(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
     results, texts = [], []
     for j, b in enumerate(blocks):
         at = f"{where}.content.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind in UNREAD_BLOCKS:
-            raise _refused(f"{at}: the '{kind}' block", UNREAD_BLOCKS[kind])
+        kind = _kind(b, at)
         if kind == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{at}.text: Field required")
-            texts.append(b["text"])
+            texts.append(_block_text(b, at))
         elif kind == "tool_result":
             tool_id = b.get("tool_use_id")
             if not isinstance(tool_id, str):
@@ -292,13 +300,9 @@ def _assistant_blocks(blocks: list, where: str, names: dict[str, str]) -> tuple[
     texts, calls, thoughts = [], [], []
     for j, b in enumerate(blocks):
         at = f"{where}.content.{j}"
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind in UNREAD_BLOCKS:
-            raise _refused(f"{at}: the '{kind}' block", UNREAD_BLOCKS[kind])
+        kind = _kind(b, at)
         if kind == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{at}.text: Field required")
-            texts.append(b["text"])
+            texts.append(_block_text(b, at))
         elif kind == "tool_use":
             tool_id, name, args = b.get("id"), b.get("name"), b.get("input", {})
             if not isinstance(tool_id, str) or not isinstance(name, str):
