@@ -31,7 +31,7 @@ from model.kvcache import KVPool
 from model.programs import Key, ProgramTable
 from model.sampler_chain import ChainArrays, chain_arrays
 from model.steps import decode as decode_step
-from model.steps import put_row, run, select
+from model.steps import put_row, run, select, select_drafted, verify
 from model.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class ProgramCache:
         """The compiled program for (kind, padded length, window), compiled on first use.
 
         kinds: "prefill" (t tokens of one slot), "decode" (one token per slot), "select" (sampling for
-        t rows, `window` of them with DRY), "row" (a prompt into the token history). Safe from any
+        t rows, `window` of them with DRY), "row" (a prompt into the token history), "verify{T}" and
+        "vselect{T}" (speculation's: t rows of T tokens, and their sampler). Safe from any
         thread: a program another thread is compiling is waited for, never compiled twice.
         """
         key = (kind, t, window)
@@ -132,13 +133,23 @@ class ProgramCache:
         if kind == "row":
             return put_row.lower(sp.history, jax.ShapeDtypeStruct((), i32),
                                  jax.ShapeDtypeStruct((self.table.n_ctx,), i32))
-        # "select": `window` is the DRY rows' bucket (0: no row uses DRY)
-        sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
-        logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         vec = jax.ShapeDtypeStruct((t,), i32)
+        if kind.startswith("verify"):  # verify{T}: t rows of T tokens
+            n = int(kind.removeprefix("verify"))
+            args = (jax.ShapeDtypeStruct((t, n), i32), jax.ShapeDtypeStruct((t, self.max_pages), i32), vec, vec)
+            return verify.lower(sp.weights, sp.pool, *args, config=self.config, window_pages=window)
+        # "select" and "vselect{T}": `window` is the DRY rows' bucket (0: no row uses DRY)
+        sa = jax.tree.map(lambda a: jax.ShapeDtypeStruct((t,), a.dtype), sp.sa)
         host = (jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32),
                 jax.ShapeDtypeStruct((window,), i32),
                 jax.ShapeDtypeStruct((window, self.config.n_vocab), jnp.float32)) if window else (None, None, None)
+        if kind.startswith("vselect"):
+            n = int(kind.removeprefix("vselect"))
+            logits = jax.ShapeDtypeStruct((t, n, self.config.n_vocab), jnp.float32)
+            drafts = jax.ShapeDtypeStruct((t, n), i32)
+            return select_drafted.lower(logits, sa, sp.history, vec, vec, vec, drafts, vec, *host,
+                                        branchless=self.branchless)
+        logits = jax.ShapeDtypeStruct((t, self.config.n_vocab), jnp.float32)
         return select.lower(logits, sa, sp.history, vec, vec, vec, *host, branchless=self.branchless)
 
     def warmup(self, essential: bool, threads: int | None = None) -> float:

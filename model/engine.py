@@ -56,6 +56,7 @@ from model.sampling import N_PROBS_MAX, unsupported_sampling
 from model.scheduler import Scheduler
 from model.score import Scored, Scorer
 from model.slot_file import Expect, Slot
+from model.speculative import Speculation
 from model.tokenizer_gguf import gguf_fields
 from model.weights import Weights, device_bytes, file_tensor_bytes, layout_of, load_weights, matrix_types
 
@@ -76,7 +77,7 @@ class Engine:
 
     def __init__(self, config: Config, weights: Weights, tokenizer, *, n_ctx: int = 4096, max_seqs: int = 4,
                  prefill_chunk: int = PREFILL_CHUNK, page_size: int = PAGE_SIZE, n_pages: int | None = None,
-                 lookahead: bool | None = None, cache_type: str = "f16"):
+                 lookahead: bool | None = None, cache_type: str = "f16", speculation: Speculation | None = None):
         if n_ctx < 2:
             raise EngineError(f"n_ctx must be at least 2, got {n_ctx}")
         if max_seqs < 1:
@@ -98,7 +99,9 @@ class Engine:
         self.page_size = page_size
         self.max_pages = -(-n_ctx // page_size)
         n_pages = max_seqs * self.max_pages if n_pages is None else n_pages
-        self.programs = ProgramTable(n_ctx, prefill_chunk, page_size, max_seqs)  # every shape a step takes
+        self.speculation = speculation if speculation is not None else Speculation()
+        self.programs = ProgramTable(n_ctx, prefill_chunk, page_size, max_seqs,  # every shape a step takes
+                                     verify_tokens=tuple(self.speculation.verify_buckets()))
         pool, history = init_pool(config, n_pages, page_size, cache_type), empty_history(max_seqs, n_ctx)
         self.compiled = ProgramCache(self.programs, config, Specs.of(weights, pool, history),
                                      branchless=jax.default_backend() != "cpu")
@@ -106,7 +109,8 @@ class Engine:
                              eog_ids=frozenset(int(t) for t in getattr(tokenizer, "eog_ids", ()) or ()))
         self.scheduler = Scheduler(self.runner, PagePool(n_pages, page_size), max_seqs=max_seqs,
                                    n_ctx=n_ctx, prefill_budget=prefill_chunk,
-                                   lookahead=jax.default_backend() != "cpu" if lookahead is None else lookahead)
+                                   lookahead=jax.default_backend() != "cpu" if lookahead is None else lookahead,
+                                   speculation=self.speculation)
         self._scorer = Scorer(weights, config, self.programs, cache_type)
         self.file_bytes: int | None = None  # the GGUF's tensor bytes, when loaded from a file (`load`)
         # True: `warmup()` compiles only what a first request needs, and `compile_in_background` the rest
@@ -141,7 +145,8 @@ class Engine:
              tokenizer=None, warmup: bool = True, packed: bool | None = None, activations: str = "f32",
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
              kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None,
-             lookahead: bool | None = None, cache_type: str = "f16") -> Engine:
+             lookahead: bool | None = None, cache_type: str = "f16",
+             speculation: Speculation | None = None) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         layout: the weights' layout (model/weights.py): "packed" (the CPU default), "dense", or "device"
@@ -156,6 +161,7 @@ class Engine:
         the bytes, so the same kv_cache_bytes holds about twice the tokens).
         lookahead: dispatch a decode step before reading the last one's tokens (model/scheduler.py);
         default: on a GPU backend.
+        speculation: drafts and their verify steps (model/speculative.py); default none.
         """
         t0 = time.perf_counter()
         if compile_cache_dir is not None:
@@ -173,7 +179,8 @@ class Engine:
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
                                 kv_cache_bytes=kv_cache_bytes, cache_type=cache_type)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
-                     page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type)
+                     page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type,
+                     speculation=speculation)
         engine.file_bytes = file_tensor_bytes(path)
         engine.gguf_pooling = pooling_of(gguf_fields(path, (f"{config.arch}.pooling_type",)), config.arch)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB, %s), %d sequences "

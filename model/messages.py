@@ -72,6 +72,12 @@ class SamplingParams:
     # llama-server's chain); -inf forbids the token
     logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False  # every end-of-generation token forbidden (llama-server: a -inf logit bias)
+    # llama-server's speculative.n_max / n_min / p_min: the draft's longest and shortest lengths (-1: the
+    # server's --draft-max / --draft-min; model/speculative.py) and the draft model's least probability
+    # (read and kept: an n-gram draft has none)
+    spec_n_max: int = -1
+    spec_n_min: int = -1
+    spec_p_min: float = 0.75
 
     @property
     def greedy(self) -> bool:
@@ -210,6 +216,10 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # speculative decoding so far (llama-server's timings.draft_n, draft_n_accepted): drafted tokens the
+    # target checked, and of those, the ones it kept
+    draft_n: int = 0
+    draft_n_accepted: int = 0
     # Set by the engine thread on every output of a request that ran (`ended_s`: when this output
     # came; llama-server's `timings_per_token` reads it), and on the last one, for a completed
     # request, the energy its device used from `timeline.started_s` to the end (None:
@@ -267,6 +277,12 @@ class EngineStats:
     prefix_hits_tokens: int = 0  # of those, tokens served from cached pages
     preemptions: int = 0  # sequences preempted for pages (cumulative)
     iterations: int = 0
+    # speculative decoding (cumulative): verify steps, drafts checked (one per drafting row of such a step),
+    # drafted tokens checked, and of those accepted
+    spec_steps: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     sequences: tuple[SequenceState, ...] = ()
 
     @property

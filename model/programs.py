@@ -7,7 +7,10 @@ temperature, token or batch ever asks for a program outside it:
   CONTINUE_BUCKET up, attending to a window of them;
 - "decode": one token for each of up to `max_seqs` rows (`batches`), attending to a window;
 - "select": the sampler for a batch, with 0 or a batch bucket of rows that use DRY;
-- "row": a prompt into the token history.
+- "row": a prompt into the token history;
+- with speculation (model/speculative.py), for each verify bucket T: "verify{T}", T tokens for each of up
+  to MAX_VERIFY_ROWS rows (a next token and its draft) attending to a decode window, and "vselect{T}",
+  the sampler at each of their positions (with 0 or a bucket of DRY rows, as "select").
 Windows are counted in cells and given to programs in pages: powers of two from MIN_WINDOW up to the
 whole context, and for decode, which reads its whole window every step, 1.5x each between them.
 `essential_keys` are what first short requests need (model/compiled.py compiles them before the rest).
@@ -25,6 +28,10 @@ MIN_WINDOW = 256  # smallest attention-window bucket over cached cells
 # (several at once: MIN_WINDOW); larger shapes compile in the background
 ESSENTIAL_PROMPT = 256
 ESSENTIAL_CELLS = 512
+
+# a batch of more sequences decodes without drafts: its step reads the weights for many tokens already,
+# and 1 + k tokens for each would make it a prefill (vLLM's disable_by_batch_size does the same)
+MAX_VERIFY_ROWS = 8
 
 Key = tuple[str, int, int]
 
@@ -44,6 +51,7 @@ class ProgramTable:
     prefill_chunk: int
     page_size: int
     max_seqs: int
+    verify_tokens: tuple[int, ...] = ()  # speculation's verify buckets (1 + k tokens a row); () none
     # looked up on every step: computed once
     prefill_windows: list[int] = field(init=False, repr=False)
     decode_windows: list[int] = field(init=False, repr=False)
@@ -98,7 +106,16 @@ class ProgramTable:
         for b in self.batches:
             keys += [("decode", b, self.window_pages(w, self.decode_windows)) for w in self.decode_windows]
         keys += [("row", 0, 0)] + [("select", b, d) for b in self.batches for d in self.dry_buckets(b)]
+        for t in self.verify_tokens:
+            for b in self.verify_batches():
+                keys += [(f"verify{t}", b, self.window_pages(w, self.decode_windows)) for w in self.decode_windows]
+                keys += [(f"vselect{t}", b, d) for d in self.dry_buckets(b)]
         return keys
+
+    def verify_batches(self) -> list[int]:
+        """The batch buckets a verify step takes: those up to the one holding MAX_VERIFY_ROWS rows."""
+        top = next((b for b in self.batches if b >= MAX_VERIFY_ROWS), self.batches[-1])
+        return [b for b in self.batches if b <= top]
 
     def essential_keys(self) -> list[Key]:
         """The programs first requests need when their prompts have at most ESSENTIAL_PROMPT tokens (or

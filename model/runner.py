@@ -23,7 +23,7 @@ import numpy as np
 from model.compiled import ProgramCache
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
-from model.host_bias import host_bias
+from model.host_bias import host_bias, needs_pre
 from model.kvcache import KVPool, gather_pages, init_pool, scatter_pages
 from model.messages import SamplingParams
 from model.programs import ProgramTable
@@ -96,6 +96,64 @@ class Runner:
         self.pool, logits = self.compiled.get("decode", b, window)(
             self.weights, self.pool, self.history, slots, self._table(seqs, b), starts, n_new)
         return logits
+
+    # --- speculation (model/speculative.py) -----------------------------------------------------------
+
+    def _verify_shape(self, n_rows: int, seqs: list[SchedSequence]) -> tuple[int, int]:
+        b = next(x for x in self.table.batches if x >= n_rows)
+        return b, self.table.window_pages(max(s.n_computed for s in seqs), self.table.decode_windows)
+
+    def can_verify(self, rows: int, tokens: int, seqs: list[SchedSequence]) -> bool:
+        b, window = self._verify_shape(rows, seqs)
+        dry = self._host_rows(seqs, b)
+        return ((f"verify{tokens}", b, window) in self.compiled.ready
+                and (f"vselect{tokens}", b, dry) in self.compiled.ready)
+
+    def _host_rows(self, seqs: list[SchedSequence], b: int) -> int:
+        """The DRY-row bucket `host_bias` will pick for `seqs` (0: none needs the host's bias)."""
+        n = sum(1 for s in seqs if _wants_dry(s.request.params) or s.request.constraint is not None
+                or needs_pre(s.request.params))
+        return 0 if n == 0 else next(d for d in self.table.dry_buckets(b) if d >= n)
+
+    def verify(self, seqs: list[SchedSequence], drafts: list[list[int]], tokens: int) -> Sampled:
+        """Each of `seqs`' next token and its draft through the target (`tokens` a row, padded), and
+        every position sampled; the sampled arrays start copying to the host (`read_verify`)."""
+        b, window = self._verify_shape(len(seqs), seqs)
+        ids = np.zeros((b, tokens), np.int32)
+        drafted = np.zeros((b, tokens), np.int32)
+        slots = np.full(b, self.max_seqs, np.int32)
+        starts, n_new = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            ids[i, 0] = seq.next_token
+            ids[i, 1:1 + len(draft)] = draft
+            drafted[i, :len(draft)] = draft
+            slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1 + len(draft)
+            lengths[i], steps[i] = len(seq.tokens), seq.completion.n_generated
+        self.pool, logits = self.compiled.get(f"verify{tokens}", b, window)(
+            self.weights, self.pool, ids, self._table(seqs, b), starts, n_new)
+        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
+        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
+        host = host_bias(seqs, b, self.table.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
+        post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
+        program = self.compiled.get(f"vselect{tokens}", b, 0 if host is None else host[2].shape[0])
+        out, self.history = program(logits, sa, self.history, slots, lengths, steps, drafted, n_new, post, at, pre)
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+        return out
+
+    def read_verify(self, seqs: list[SchedSequence], sampled: Sampled, drafts: list[list[int]]) -> list[Tokens]:
+        out = jax.device_get(sampled)
+        result = []
+        for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            n_probs = seq.request.params.n_probs
+            row = []
+            for j in range(1 + len(draft)):
+                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i, j, :n_probs],
+                                                             out.top_logprobs[i, j, :n_probs], strict=True)]
+                row.append((int(out.tokens[i, j]), float(out.logprob[i, j]) if n_probs > 0 else None, top))
+            result.append(row)
+        return result
 
     def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> Tokens:
         return self.read(seqs, self.sample_async(seqs, logits))

@@ -34,6 +34,17 @@ free list only (never an eviction, never a preemption); when they cannot, it is 
 uses DRY or a grammar (whose bias or mask the host computes from the tokens)
 or that surely ends at this step also skips it.
 
+With speculation (model/speculative.py; llama-server's --spec-type ngram-simple), step 3 first asks each
+decoding sequence for a draft from its own n-grams. When some have one (and no step is in flight), the
+step verifies instead of decoding: every decoding row runs its next token and its draft (k tokens, 0
+for a row without one) through the target in one forward, each position is sampled with the row's
+chain, and the row keeps its draft up to the first position whose sample differs, plus that sample:
+1 + accepted tokens, handed out in order, each through the same stops and limits as a decoded one (a
+row that finishes keeps nothing after). The cells of rejected draft tokens lie past the row's
+computed ones: never read, never published, written over by the next step. Draft pages come from
+the free list only; a row that uses DRY or a grammar, or a batch of more than MAX_VERIFY_ROWS, does
+not draft, and a verify program not compiled yet means a plain decode step.
+
 The device work is the runner's (model/runner.py): it runs the compiled programs on the KV pool and
 the token history; this module owns every decision and all the bookkeeping, and imports no jax.
 """
@@ -56,6 +67,7 @@ from model.messages import (
     StepOutput,
 )
 from model.pages import ROOT_DIGEST, PagePool, chain_digest, page_digests
+from model.speculative import MAX_VERIFY_ROWS, NgramIndex, Speculation
 
 
 @dataclass(eq=False)
@@ -74,6 +86,9 @@ class Sequence:
     n_published: int = 0  # full pages offered to the prefix cache
     slot: int = -1  # its row of the token history while it runs
     admitted_s: float | None = None  # its first admission
+    ngrams: NgramIndex | None = None  # its drafts' index (speculation on)
+    draft_n: int = 0  # drafted tokens verified
+    draft_accepted: int = 0  # of those, kept
 
     @property
     def target(self) -> int:
@@ -128,11 +143,26 @@ class Runner(Protocol):
     def needs_host(self, seqs: list[Sequence]) -> bool:
         """Whether sampling any of `seqs` needs its last token on the host (DRY): no step ahead."""
 
+    def can_verify(self, rows: int, tokens: int, seqs: list[Sequence]) -> bool:
+        """Whether the verify programs for `rows` rows of `tokens` tokens over `seqs`' cells are
+        compiled (a verify step never waits for a compile)."""
+
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], tokens: int) -> Any:
+        """Each of `seqs`' next token and its draft through the target at once, every position sampled
+        (dispatched, not read): a handle for `read_verify`."""
+
+    def read_verify(self, seqs: list[Sequence], sampled: Any,
+                    drafts: list[list[int]]) -> list[list[tuple[int, float | None, list[tuple[int, float]]]]]:
+        """Per sequence, the 1 + len(draft) positions' (token, logprob, top), as `read` returns them."""
+
 
 class Scheduler:
     def __init__(self, runner: Runner, pool: PagePool, *, max_seqs: int, n_ctx: int, prefill_budget: int,
-                 lookahead: bool = False):
+                 lookahead: bool = False, speculation: Speculation | None = None):
         self.runner = runner
+        self.speculation = speculation if speculation is not None and speculation.on else None
+        self.verify_buckets = self.speculation.verify_buckets() if self.speculation else []
+        self.spec_steps = self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.lookahead = lookahead
         self._ahead: Step | None = None  # the step dispatched ahead, its tokens not read yet
         self.lookahead_steps = 0  # steps dispatched ahead
@@ -251,6 +281,10 @@ class Scheduler:
         step, self._ahead = self._ahead, None
         if step is None:
             rows = self._reserve([s for s in self.running if not s.prefilling])
+            drafts = self._drafts(rows) if self.speculation and rows else None
+            if drafts is not None:
+                self._verify(rows, drafts, it)
+                return it
             step = self._dispatch(rows) if rows else None
         if step is not None:
             ahead = self._look_ahead() if self.lookahead else None
@@ -308,6 +342,8 @@ class Scheduler:
         rows = list(self.running)
         if not rows or not self._decode_only() or self.runner.needs_host(rows):
             return None
+        if self.speculation and len(rows) <= MAX_VERIFY_ROWS and any(self._may_draft(s) for s in rows):
+            return None  # the next step may verify a draft, which needs this step's tokens
         for seq in rows:
             c, max_tokens = seq.completion, seq.request.params.max_tokens
             if c.n_prompt + c.n_generated + 1 >= self.n_ctx or 0 <= max_tokens <= c.n_generated + 1:
@@ -319,6 +355,80 @@ class Scheduler:
                 seq.pages += self.pool.take(1)
         self.lookahead_steps += 1
         return Step(rows, self.runner.sample_async(rows, self.runner.decode(rows), ahead=1))
+
+    # --- speculation ---------------------------------------------------------------------------------
+
+    def _may_draft(self, seq: Sequence) -> bool:
+        p = seq.request.params
+        return (self.speculation.limits(p.spec_n_max, p.spec_n_min)[0] > 0
+                and not self.runner.needs_host([seq]))
+
+    def _drafts(self, rows: list[Sequence]) -> list[list[int]] | None:
+        """Each row's draft (maybe empty), cut to what its limits, the context and the free pages
+        allow; None when no row has one or no verify program fits (a plain decode step)."""
+        spec = self.speculation
+        if len(rows) > MAX_VERIFY_ROWS:
+            return None
+        drafts: list[list[int]] = []
+        for seq in rows:
+            draft: list[int] = []
+            if self._may_draft(seq):
+                p, c = seq.request.params, seq.completion
+                n_max, n_min = spec.limits(p.spec_n_max, p.spec_n_min)
+                room = self.n_ctx - 1 - seq.n_computed  # cells n_computed + 1 .. + k must lie in the context
+                if p.max_tokens >= 0:
+                    room = min(room, p.max_tokens - c.n_generated - 1)  # the last kept token is sampled
+                room = min(room, n_max, self.verify_buckets[-1] - 1)
+                if seq.ngrams is None:
+                    seq.ngrams = NgramIndex(spec.ngram_n)
+                draft = seq.ngrams.draft(seq.tokens, min(spec.ngram_m, room)) if room > 0 else []
+                if len(draft) < max(n_min, 1):
+                    draft = []
+            drafts.append(draft)
+        if not any(drafts):
+            return None
+        free = self.pool.available() - self.pool.cached  # drafts never evict a cached prefix
+        for seq, draft in zip(rows, drafts, strict=True):
+            have = len(seq.pages) * self.page_size - seq.n_computed - 1  # cells past the next token's
+            need = -(-(len(draft) - have) // self.page_size) if len(draft) > have else 0
+            take = min(need, free)
+            if take:
+                seq.pages += self.pool.take(take)
+                free -= take
+            del draft[max(0, have + take * self.page_size):]
+        longest = max(len(d) for d in drafts)
+        if longest == 0:
+            return None
+        tokens = next(t for t in self.verify_buckets if t >= longest + 1)
+        if not self.runner.can_verify(len(rows), tokens, rows):
+            return None
+        return drafts
+
+    def _verify(self, rows: list[Sequence], drafts: list[list[int]], it: Iteration) -> None:
+        """One verify step for `rows` (see the module's docstring)."""
+        tokens = next(t for t in self.verify_buckets if t >= max(len(d) for d in drafts) + 1)
+        sampled = self.runner.verify(rows, drafts, tokens)
+        self.spec_steps += 1
+        for seq, draft, positions in zip(rows, drafts, self.runner.read_verify(rows, sampled, drafts), strict=True):
+            base = seq.n_computed  # the next token's cell
+            seq.draft_n += len(draft)
+            kept = 0
+            for j, (token, logprob, top) in enumerate(positions):
+                seq.n_computed = base + 1 + j  # the next token's cell and the draft's before position j
+                accepted = j < len(draft) and token == draft[j]
+                kept += accepted
+                seq.draft_accepted += accepted
+                out = self._push(seq, token, logprob, top)
+                it.outputs.append((seq.task, out))
+                if out.finish_reason is not None:
+                    break
+                self._publish(seq)
+                if not accepted:
+                    break
+            if draft:
+                self.spec_drafts += 1
+                self.spec_draft_tokens += len(draft)
+                self.spec_accepted_tokens += kept
 
     # --- the steps' parts --------------------------------------------------------------------------
 
@@ -397,6 +507,7 @@ class Scheduler:
                     seq.completion.end_by_grammar(out)
             out.grammar_ms = constraint.grammar_ms
         out.id_slot = seq.slot  # llama-server's `id_slot` in /completion's answer: the slot that decoded it
+        out.draft_n, out.draft_n_accepted = seq.draft_n, seq.draft_accepted
         if out.finish_reason is not None:
             self._leave(seq)
         else:
@@ -459,7 +570,8 @@ class Scheduler:
             page_size=self.page_size, pages_total=self.pool.n_pages, pages_used=self.pool.used,
             pages_cached=self.pool.cached, prefix_queries_tokens=self.pool.queries_tokens,
             prefix_hits_tokens=self.pool.hits_tokens, preemptions=self.preemptions, iterations=self.iterations,
-            sequences=tuple(states))
+            spec_steps=self.spec_steps, spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens, sequences=tuple(states))
 
     # --- slot files (model/slots.py) ---------------------------------------------------------------
 

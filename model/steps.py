@@ -95,3 +95,55 @@ def decode(weights: Weights, pool: KVPool, history: jax.Array, slots: jax.Array,
     tokens = history[slots, starts][:, None]  # [B, 1]
     logits, pool = forward(weights, pool, tokens, table, starts, n_new, config=config, window_pages=window_pages)
     return pool, logits
+
+
+@partial(jax.jit, static_argnames=("config", "window_pages"), donate_argnames=("pool",))
+def verify(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array, starts: jax.Array,
+           n_new: jax.Array, *, config: Config, window_pages: int) -> tuple[KVPool, jax.Array]:
+    """A speculative step of B rows of T tokens (model/speculative.py): row b's next token, then its
+    draft, `n_new[b]` of them real, from position `starts[b]`. As `run`, with the logits after every
+    position [B, T, V]."""
+    logits, pool = forward(weights, pool, tokens, table, starts, n_new, config=config, window_pages=window_pages,
+                           all_logits=True)
+    return pool, logits
+
+
+@partial(jax.jit, static_argnames=("branchless",), donate_argnames=("history",))
+def select_drafted(logits: jax.Array, ca: ChainArrays, history: jax.Array, rows: jax.Array, lengths: jax.Array,
+                   steps: jax.Array, drafts: jax.Array, n_new: jax.Array, dry_bias: jax.Array | None = None,
+                   dry_rows: jax.Array | None = None, pre_bias: jax.Array | None = None, *,
+                   branchless: bool = False) -> tuple[Sampled, jax.Array]:
+    """`select` at every position of a verify step: logits [B, T, V]; drafts [B, T] (row b's draft
+    token j at [b, j], the rest ignored); n_new [B] (1 + the draft's length; 0: a padding row).
+
+    Position j of row b is sampled as the step j tokens later would sample it without speculation:
+    the same chain, seed and step index (`steps + j`), its penalties over the row's history with
+    the draft's first j tokens in it (written before sampling: where the draft holds, they are what
+    that step would have seen). Returns tokens etc. [B, T, ...] and the history with each position's
+    sample written after it (`lengths + j`): where the draft holds, the draft token itself; at the
+    first position where it does not, the sample that replaces it; after, cells the row's next
+    steps write again. The host bias (`select`'s) applies to every position of its row.
+    """
+    b, t, v = logits.shape
+    j = jnp.arange(t, dtype=jnp.int32)
+    n_ctx = history.shape[1]
+    draft_cell = jnp.where(j[None, :] < n_new[:, None] - 1, lengths[:, None] + j[None, :], n_ctx)
+    history = history.at[rows[:, None], draft_cell].set(drafts, mode="drop")
+    flat_ca = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), ca)
+    flat_rows = jnp.repeat(rows, t)
+    flat_lengths = (lengths[:, None] + j[None, :]).reshape(-1)
+    flat_steps = (steps[:, None] + j[None, :]).reshape(-1)
+    x = logits.reshape(b * t, v)
+    bias, biased = None, x
+    if dry_rows is not None:
+        at = (dry_rows[:, None] * t + j[None, :]).reshape(-1)  # a padding entry (B) lands past B*T: dropped
+        if dry_bias is not None:
+            bias = jnp.zeros(x.shape, jnp.float32).at[at].set(jnp.repeat(dry_bias, t, axis=0), mode="drop")
+        if pre_bias is not None:
+            biased = x + jnp.zeros(x.shape, jnp.float32).at[at].set(jnp.repeat(pre_bias, t, axis=0), mode="drop")
+    tokens = sample_chain(biased, flat_ca, history[flat_rows], flat_lengths, flat_steps, bias, branchless)
+    lp, top_ids, top_lp = logprobs(x, tokens, flat_ca, branchless)
+    live = (j[None, :] < n_new[:, None]).reshape(-1)
+    history = history.at[flat_rows, jnp.where(live, flat_lengths, n_ctx)].set(tokens, mode="drop")
+    return Sampled(tokens.reshape(b, t), lp.reshape(b, t), top_ids.reshape(b, t, -1),
+                   top_lp.reshape(b, t, -1)), history

@@ -150,6 +150,15 @@ def _int_handler(name: str) -> Callable[[dict, Any], None]:
     return read
 
 
+def _draft_length(name: str) -> Callable[[dict, Any], None]:
+    """speculative.n_max / n_min: an int, a negative one read as 0 (server-task.cpp's clamp); -1 in
+    the params means the server's --draft-max / --draft-min, which a request cannot ask for."""
+    def read(p: dict, v: Any) -> None:
+        p[name] = max(get_int(v, 32), 0)
+
+    return read
+
+
 F32 = (-FLT_MAX, FLT_MAX)
 H32 = (0, I32_MAX)  # the common hard limit
 
@@ -222,10 +231,15 @@ FIELDS: tuple[Field, ...] = (
     Field(("ignore_eos",), "bool"),
     Field(("stop",), "json", read=_stop),
     Field(("samplers",), "json", read=_samplers),
+    # server-task.cpp reads these beside the schema's table, clamped after (`_sampler_init`)
+    Field(("speculative.n_max",), "json", read=_draft_length("spec_n_max")),
+    Field(("speculative.n_min",), "json", read=_draft_length("spec_n_min")),
+    Field(("speculative.p_min",), "f32"),
 )
 
 # the task params' names where they differ from the request's
-TARGET = {"n_predict": "max_tokens", "n_cmpl": "n", "top_n_sigma": "top_n_sigma"}
+TARGET = {"n_predict": "max_tokens", "n_cmpl": "n", "top_n_sigma": "top_n_sigma",
+          "speculative.n_max": "spec_n_max", "speculative.n_min": "spec_n_min", "speculative.p_min": "spec_p_min"}
 
 
 def _read_number(f: Field, v: Any) -> int | float:
@@ -292,7 +306,10 @@ def read_fields(request: dict, defaults: SamplingParams, n_max: int = 1) -> dict
 
 
 def _sampler_init(p: dict) -> None:
-    """common_sampler_init's checks (common/sampling.cpp), in its order."""
+    """common_sampler_init's checks (common/sampling.cpp), in its order; first, the draft lengths
+    clamped as server-task.cpp clamps them (n_min <= n_max, both >= 0; -1 stays the server's)."""
+    if p["spec_n_max"] >= 0 and p["spec_n_min"] > p["spec_n_max"]:
+        p["spec_n_min"] = p["spec_n_max"]
     rp = p["repeat_penalty"]
     if not math.isfinite(rp) or rp <= 0.0 or not math.isfinite(f32(1.0 / rp)):
         raise InvalidRequest("Failed to initialize samplers: penalty_repeat must be finite and greater than 0")

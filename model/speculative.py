@@ -1,0 +1,110 @@
+"""Speculative decoding's host side: what to draft, and how many tokens a verify step holds.
+
+A sequence's draft comes from its own tokens (prompt and answer), as llama-server's `--spec-type
+ngram-simple` finds it: the last `n` tokens (the key) are looked up among the earlier n-grams of the
+sequence, and the `m` tokens that followed the latest earlier occurrence are the draft, cut to the
+request's `speculative.n_max` (`--draft-max`); a draft shorter than `speculative.n_min` is dropped.
+The index of n-grams grows with the sequence (`NgramIndex`), so a step costs the tokens added since
+the last one, never a scan of the whole context.
+
+The scheduler (model/scheduler.py) runs every drafting sequence of a step through the target in one
+forward of 1 + k tokens per row (the last sampled token, then the draft), samples each position with
+the request's own sampler chain, seed and step index, and keeps the draft up to the first position
+whose sample differs from it, plus that sample. Drafts here are deterministic (a point mass q on the
+drafted token), so this is Leviathan et al. (2023)'s rejection sampling with q = delta(d): the draft
+is accepted with probability p(d), and on rejection the token is drawn from p with d removed,
+renormalised. Since every position is sampled with the random numbers its step would have had
+without speculation, the tokens are the same as without it, at any temperature, whenever the logits
+are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.programs import MAX_VERIFY_ROWS, pow2_at_least
+
+SPEC_TYPES = ("none", "ngram-simple")
+# llama-server's other types, refused by name at start
+NOT_DONE = {
+    "ngram-cache": "its n-gram statistics files",
+    "ngram-map-k": "its key-hit counting",
+    "ngram-map-k4v": "its four values per key",
+    "ngram-mod": "its hash pool shared by all slots",
+}
+MIN_VERIFY_TOKENS = 4  # the smallest verify bucket (1 + k tokens a row)
+__all__ = ["MAX_VERIFY_ROWS", "NgramIndex", "Speculation", "spec_type_refusal"]
+
+
+def spec_type_refusal(spec_type: str) -> str | None:
+    if spec_type in SPEC_TYPES:
+        return None
+    if spec_type in NOT_DONE:
+        return (f"--spec-type {spec_type}: not in this engine ({NOT_DONE[spec_type]}); it drafts with "
+                "ngram-simple, or none")
+    return f"--spec-type {spec_type!r}: one of {', '.join(SPEC_TYPES)}"
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The server's speculative decoding: llama-server's --spec-type, --spec-ngram-size-n/-m and
+    --draft-max/--draft-min (the defaults of a request's speculative.n_max and n_min)."""
+
+    spec_type: str = "none"
+    ngram_n: int = 12  # the key: the last n tokens
+    ngram_m: int = 48  # the draft: the m tokens after the key's earlier occurrence
+    draft_max: int = 16
+    draft_min: int = 0
+
+    def __post_init__(self):
+        if why := spec_type_refusal(self.spec_type):
+            raise ValueError(why)
+        for name in ("ngram_n", "ngram_m", "draft_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculation's {name} must be at least 1, got {getattr(self, name)}")
+        if self.draft_min < 0:
+            raise ValueError(f"speculation's draft_min must be at least 0, got {self.draft_min}")
+
+    @property
+    def on(self) -> bool:
+        return self.spec_type != "none"
+
+    def verify_buckets(self) -> list[int]:
+        """The tokens a verify row holds (1 + k, padded): powers of two from MIN_VERIFY_TOKENS up to the
+        one holding 1 + draft_max."""
+        if not self.on:
+            return []
+        top = pow2_at_least(self.draft_max + 1, MIN_VERIFY_TOKENS)
+        out, t = [], MIN_VERIFY_TOKENS
+        while t <= top:
+            out.append(t)
+            t *= 2
+        return out
+
+    def limits(self, n_max: int, n_min: int) -> tuple[int, int]:
+        """A request's (n_max, n_min), -1 meaning the server's, clamped as llama-server clamps them
+        (n_min <= n_max, both >= 0) and to the server's --draft-max, which sizes the programs."""
+        hi = self.draft_max if n_max < 0 else min(n_max, self.draft_max)
+        lo = self.draft_min if n_min < 0 else n_min
+        return max(hi, 0), max(min(lo, hi), 0)
+
+
+class NgramIndex:
+    """One sequence's n-grams of length n, each with where its latest occurrence that a token follows
+    ends; the draft after the sequence's last n tokens (`draft`)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._end: dict[tuple[int, ...], int] = {}
+        self._indexed = n  # n-grams ending (exclusive) below this are indexed
+
+    def draft(self, tokens: list[int], m: int) -> list[int]:
+        """Up to m tokens that followed the latest earlier occurrence of the last n of `tokens`."""
+        n, length = self.n, len(tokens)
+        for end in range(self._indexed, length):  # every n-gram a token follows: end < length
+            self._end[tuple(tokens[end - n:end])] = end
+        self._indexed = max(self._indexed, length)
+        if length < n or m <= 0:
+            return []
+        end = self._end.get(tuple(tokens[length - n:]))
+        return [] if end is None else tokens[end:end + m]
