@@ -37,6 +37,7 @@ from bankml.errors import (
     exit_code,
     refuse_start,
 )
+from model.speculative import spec_type_refusal
 
 DESCRIPTION = f"""bankml {__version__}: a verifying inference server for GGUF models
 
@@ -49,7 +50,8 @@ commands:
   bankml fork FILE [-o OUT] [--sign KEY]
   bankml serve [FILE --fork F] --native [--listen H:P] [--upstream H:P] [--ctx N] [--config NAME|PATH]
                [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
-               [--chat-template-file FILE] [--receipt-key FILE]
+               [--chat-template-file FILE] [--receipt-key FILE] [--spec-type ngram-simple]
+               [--spec-ngram-size-n N] [--spec-ngram-size-m M] [--draft-max N] [--draft-min N]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml receipt verify FILE [--key PUB]
@@ -84,6 +86,19 @@ def _positive_int(text: str) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _not_negative_int(text: str) -> int:
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
+def _spec_type(text: str) -> str:
+    why = spec_type_refusal(text)  # llama-server's other types are refused by name, with why
+    if why is not None:
+        raise argparse.ArgumentTypeError(why)
+    return text
 
 
 def _rule_set(text: str) -> str:
@@ -204,6 +219,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spawn", metavar="BIN", help="P0: launch llama-server BIN on the verified file")
     p.add_argument("--threads", metavar="N", type=_positive_int, help="P0: -t of the spawned llama-server (3)")
     p.add_argument("--spec-ngram", action="store_true", help="P0: --spec-type ngram-simple")
+    p.add_argument("--spec-type", metavar="{none,ngram-simple}", type=_spec_type,
+                   help="speculative decoding, as llama-server's flag ([engine] spec_type; none): ngram-simple "
+                        "drafts from the sequence's own n-grams, verified in one step (P0 passes it to llama-server)")
+    p.add_argument("--spec-ngram-size-n", metavar="N", type=_positive_int,
+                   help="ngram-simple: the last N tokens looked up earlier in the sequence (12)")
+    p.add_argument("--spec-ngram-size-m", metavar="M", type=_positive_int,
+                   help="ngram-simple: up to M tokens drafted after an earlier occurrence (48)")
+    p.add_argument("--draft-max", "--draft", "--draft-n", metavar="N", dest="draft_max", type=_positive_int,
+                   help="tokens drafted at most: a request's speculative.n_max when it gives none, and its "
+                        "ceiling (16)")
+    p.add_argument("--draft-min", metavar="N", type=_not_negative_int,
+                   help="a shorter draft is not verified: a request's speculative.n_min when it gives none (0)")
+    p.add_argument("--model-draft", "-md", metavar="FILE",
+                   help="refused: a draft model is not in bankML yet (n-gram drafts are: --spec-type ngram-simple)")
+    p.add_argument("--fork-draft", metavar="F", help="refused, as --model-draft")
     p.add_argument("--slot-dir", "--slot-save-path", metavar="DIR", dest="slot_dir", help="slot files: POST /slots/{id}?action=save|restore|erase "
                    "(made if missing; P0 passes it to llama-server as --slot-save-path)")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
@@ -234,7 +264,10 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          spec_ngram=args.spec_ngram, slot_dir=args.slot_dir, rule_set=args.rule_set,
                          registry=args.registry, api_keys=args.api_keys, api_key_file=args.api_key_file,
                          allow_origin=args.allow_origin, chat_template_file=args.chat_template_file,
-                         receipt_key=args.receipt_key)
+                         receipt_key=args.receipt_key, spec_type=args.spec_type,
+                         spec_ngram_size_n=args.spec_ngram_size_n, spec_ngram_size_m=args.spec_ngram_size_m,
+                         draft_max=args.draft_max, draft_min=args.draft_min, model_draft=args.model_draft,
+                         fork_draft=args.fork_draft)
 
 
 # --- the model and its pin ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from bankml import serve_files
 from bankml.errors import ConfigInvalid
 from bankml.serve_files import ChatTemplateFile
+from model.speculative import Speculation, spec_type_refusal  # no jax (the flags need no engine)
 
 if TYPE_CHECKING:
     from bankml.signing import ReceiptKey
@@ -97,6 +98,21 @@ class EngineConfig:
     max_prefill_bucket: int = 512  # longest prefill chunk; prompts are padded to powers of two up to it
     # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off)
     compile_cache_dir: str = "~/.cache/bankml/xla"
+    # speculative decoding (model/speculative.py), llama-server's flags of the same names: --spec-type
+    # "none" or "ngram-simple" (drafts from the sequence's own n-grams: the last spec_ngram_size_n tokens
+    # looked up, up to spec_ngram_size_m tokens after them drafted); --draft-max / --draft-min, a request's
+    # speculative.n_max / n_min when it gives none (draft_max also sizes the verify programs)
+    spec_type: str = "none"
+    spec_ngram_size_n: int = 12
+    spec_ngram_size_m: int = 48
+    draft_max: int = 16
+    draft_min: int = 0
+
+    @property
+    def speculation(self) -> Speculation:
+        """The engine's speculative decoding, as these keys say (checked when they were read)."""
+        return Speculation(self.spec_type, self.spec_ngram_size_n, self.spec_ngram_size_m, self.draft_max,
+                           self.draft_min)
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,12 @@ def _cache_type(value: str, what: str) -> None:
         raise ConfigInvalid(f"{what} {value!r} is not a KV cache type bankML has (one of {', '.join(CACHE_TYPES)})")
 
 
+def _spec_type(value: str, what: str) -> None:
+    why = spec_type_refusal(value)  # names llama-server's flag, and why (not done here, or not a type)
+    if why is not None:
+        raise ConfigInvalid(f"{what}: {why}")
+
+
 def _fraction(value: float, what: str) -> None:
     if not 0.0 < value <= 1.0:
         raise ConfigInvalid(f"{what} must be in (0, 1], not {value!r}")
@@ -198,6 +220,11 @@ _CHECKS = {
     "engine.cache_type": _cache_type,
     "engine.memory_fraction": _fraction,
     "engine.max_prefill_bucket": _positive,
+    "engine.spec_type": _spec_type,
+    "engine.spec_ngram_size_n": _positive,
+    "engine.spec_ngram_size_m": _positive,
+    "engine.draft_max": _positive,
+    "engine.draft_min": _not_negative,
     "registry.max_loaded": _positive,
 }
 
@@ -323,7 +350,18 @@ class ServeOptions:
 
     @property
     def spec_ngram(self) -> bool:
-        return self.config.serve.spec_ngram
+        """P0: the spawned llama-server drafts n-grams (--spec-ngram, or --spec-type ngram-simple)."""
+        return self.config.serve.spec_ngram or self.config.engine.spec_type == "ngram-simple"
+
+    @property
+    def spec_sizes(self) -> list[str]:
+        """P0: llama-server's draft flags whose values differ from its defaults (which are ours), for a
+        spawned llama-server that drafts n-grams."""
+        e, d = self.config.engine, EngineConfig()
+        return [arg for flag, key in (("--spec-ngram-size-n", "spec_ngram_size_n"),
+                                      ("--spec-ngram-size-m", "spec_ngram_size_m"),
+                                      ("--draft-max", "draft_max"), ("--draft-min", "draft_min"))
+                if getattr(e, key) != getattr(d, key) for arg in (flag, str(getattr(e, key)))]
 
     @property
     def slot_dir(self) -> str | None:
@@ -350,14 +388,19 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   slot_dir: str | None = None, rule_set: str | None = None,
                   registry: str | None = None, api_keys: list[str] | None = None, api_key_file: str | None = None,
                   allow_origin: list[str] | None = None, chat_template_file: str | None = None,
-                  receipt_key: str | None = None) -> ServeOptions:
+                  receipt_key: str | None = None, spec_type: str | None = None,
+                  spec_ngram_size_n: int | None = None, spec_ngram_size_m: int | None = None,
+                  draft_max: int | None = None, draft_min: int | None = None, model_draft: str | None = None,
+                  fork_draft: str | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
     --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
     a bare flag: $BANKML_FORKS, else ~/.local/share/bankml/forks); it must be a directory. The API
     keys (the flags' and the key file's), the allowed origins (the flags' over the config's) and the
     chat template file are read and checked here (bankml/serve_files.py), and the receipt key read, or made at the first start
-    (bankml/signing.py)."""
+    (bankml/signing.py). The speculative decoding flags (llama-server's --spec-type, --spec-ngram-size-n/-m,
+    --draft-max/--draft-min) are written over [engine]'s keys; a draft model (--model-draft, --fork-draft)
+    is refused: this engine drafts n-grams only, and P0's gate verifies only the model it serves."""
     from bankml import signing  # cryptography: only serve needs it
 
     s = config.serve
@@ -373,7 +416,22 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         given = [name for name, v in (("--spawn", spawn), ("--threads", threads), ("--spec-ngram", spec_ngram))
                  if v]
         if given:
-            raise ConfigInvalid(f"{', '.join(given)}: llama-server's flags (P0); --native runs bankML's own engine")
+            raise ConfigInvalid(f"{', '.join(given)}: llama-server's flags (P0); --native runs bankML's own engine"
+                                + (" (its n-gram drafts: --spec-type ngram-simple)" if spec_ngram else ""))
+    for flag, path in (("--model-draft", model_draft), ("--fork-draft", fork_draft)):
+        if path is not None:
+            raise ConfigInvalid(f"{flag}: a draft model is not in bankML yet (its engine drafts from the sequence's "
+                                "own n-grams: --spec-type ngram-simple; P0 verifies only the model it serves)")
+    if spec_type is not None and (why := spec_type_refusal(spec_type)):
+        raise ConfigInvalid(why)
+    for flag, value, check in (("--spec-ngram-size-n", spec_ngram_size_n, _positive),
+                               ("--spec-ngram-size-m", spec_ngram_size_m, _positive),
+                               ("--draft-max", draft_max, _positive), ("--draft-min", draft_min, _not_negative)):
+        if value is not None:
+            check(value, flag)
+    drafts = {"spec_type": spec_type, "spec_ngram_size_n": spec_ngram_size_n, "spec_ngram_size_m": spec_ngram_size_m,
+              "draft_max": draft_max, "draft_min": draft_min}
+    engine = replace(config.engine, **{k: v for k, v in drafts.items() if v is not None})
     chosen_slot_dir = slot_dir or s.slot_dir or None
     if chosen_slot_dir:  # made now, as llama-server's --slot-save-path is: a typo is refused at start
         chosen_slot_dir = os.path.expanduser(chosen_slot_dir)
@@ -401,7 +459,7 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                     slot_dir=chosen_slot_dir or "")
     parse_host_port(serve.listen, "--listen")  # a bad address is refused now, by its flag's name
     parse_host_port(serve.upstream, "--upstream")
-    config = replace(config, serve=serve, registry=replace(config.registry, dir=registry_dir or ""))
+    config = replace(config, serve=serve, engine=engine, registry=replace(config.registry, dir=registry_dir or ""))
     return ServeOptions(
         config=config,
         native=native,

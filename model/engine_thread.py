@@ -47,6 +47,7 @@ from typing import Any, Protocol
 from bankml.config import PAGE_SIZE
 from bankml.errors import InvalidRequest, Overloaded
 from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, StepOutput, Timeline
+from model.speculative import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -550,10 +551,11 @@ def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int
 
 def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
                 kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, whole_contexts: bool = False,
-                cache_type: str = "f16") -> tuple[Any, str]:
+                cache_type: str = "f16", speculation: Speculation | None = None) -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine".
-    whole_contexts (with kv_cache_bytes 0): a pool of max_seqs whole contexts, not most of the device."""
+    whole_contexts (with kv_cache_bytes 0): a pool of max_seqs whole contexts, not most of the device.
+    speculation: its drafts and verify steps ([engine] spec_type...; model/speculative.py); None: none."""
     import jax
 
     from model.engine import Engine
@@ -564,5 +566,6 @@ def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, com
 
     engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
-                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type)
+                         kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type,
+                         speculation=speculation)
     return engine, f"JAX {jax.__version__} on {jax.default_backend()}"

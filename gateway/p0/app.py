@@ -221,7 +221,7 @@ def start_llama_server(gated: GatedModel, options: ServeOptions, up: str, holder
                           "instead of the one it launches. Stop it, or use --upstream to check it by its /props")
         host, port = options.upstream
         argv = llama_server_argv(options.spawn, gated.path, host, port, options.threads, options.ctx,
-                           options.spec_ngram, options.slot_dir)
+                           options.spec_ngram, options.slot_dir, options.spec_sizes)
         try:
             holder.append(LlamaServer(argv))
         except OSError as e:

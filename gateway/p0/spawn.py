@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -30,12 +30,13 @@ TAIL_LINES = 20
 
 
 def llama_server_argv(binary: str, model_path: str, host: str, port: int, threads: int, ctx: int,
-                spec_ngram: bool = False, slot_dir: str | None = None) -> list[str]:
-    """llama-server's command line for the verified file (bankML serve.rs, P0)."""
+                spec_ngram: bool = False, slot_dir: str | None = None, spec_sizes: Sequence[str] = ()) -> list[str]:
+    """llama-server's command line for the verified file (bankML serve.rs, P0). `spec_sizes`: its draft
+    flags (--draft-max 8 ...), given with --spec-type ngram-simple."""
     argv = [binary, "-m", model_path, "--host", host, "--port", str(port), "-t", str(threads), "-c", str(ctx),
             "-np", "1", "--jinja", "--reasoning", "off", "--no-webui"]
     if spec_ngram:
-        argv += ["--spec-type", "ngram-simple"]
+        argv += ["--spec-type", "ngram-simple", *spec_sizes]
     if slot_dir:
         argv += ["--slot-save-path", slot_dir]
     return argv
