@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from model.engine_thread import _why
 from model.messages import EngineStats, FinishReason, GenerateRequest, Iteration, SamplingParams, StepOutput
 from model.slot_file import Expect, Slot, SlotFileError
+from model.speculative import Speculation
 
 NO_KV_CACHE = "the fake engine keeps no KV cache"
 
@@ -136,6 +137,7 @@ class GeneratorBatch:
     # --- the rest of the handle's ServedEngine --------------------------------------------------------
 
     cache_type = "f16"  # what /slots says its pages would hold
+    speculation = Speculation()  # it drafts nothing (a test may set its own: /props and /slots show it)
 
     @property
     def scheduler(self) -> GeneratorBatch:

@@ -36,6 +36,7 @@ from batch_adapter import fake_embedding as fake_embedding  # re-exported: the v
 
 from model.messages import EngineStats, FinishReason, SamplingParams, SequenceState, StepOutput
 from model.slot_file import Expect, Slot, SlotBusy
+from model.speculative import Speculation
 
 SLOT_LAYOUT = (1, 32, "f16", 1 << 16)  # the fake's slot files: n_layers, width, cache type, n_vocab
 REPLY_PIECES = ["Sav", "ante", " knows", ".", " Ça", " va", " ✓", " 😀", "!"]
@@ -58,8 +59,12 @@ class FakeEngine(GeneratorBatch):
     (tests/batch_adapter.py). Its slots keep what a restore gave them, in a tiny layout (`SLOT_LAYOUT`:
     one layer of width 32, f16), so the slot route's file handling runs against it."""
 
-    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1, size_bytes: int = 1 << 20):
+    def __init__(self, n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1, size_bytes: int = 1 << 20,
+                 speculation: Speculation | None = None):
         super().__init__()
+        # a speculating fake says every step after the first drafted two tokens and kept one (`generate`)
+        self.speculation = speculation or Speculation()
+        self._spec = [0, 0, 0, 0]  # EngineStats' spec_steps, spec_drafts, spec_draft_tokens, spec_accepted_tokens
         self.n_ctx = n_ctx
         self.step_s = step_s
         self.max_seqs = max_seqs
@@ -134,7 +139,9 @@ class FakeEngine(GeneratorBatch):
                 id=slot, id_task=task, is_processing=True, n_ctx=self.n_ctx, n_prompt=len(request.prompt_tokens),
                 n_decoded=count[0], n_remain=-1 if max_tokens < 0 else max(0, max_tokens - count[0]),
                 params=request.params))
-        return replace(super().stats(), sequences=tuple(states))
+        steps, drafts, drafted, accepted = self._spec
+        return replace(super().stats(), sequences=tuple(states), spec_steps=steps, spec_drafts=drafts,
+                       spec_draft_tokens=drafted, spec_accepted_tokens=accepted)
 
     def warmup(self) -> float:
         return 0.25
@@ -165,8 +172,12 @@ class FakeEngine(GeneratorBatch):
                 finish = FinishReason.STOP if last else FinishReason.LENGTH if length else None
                 if finish is not None:
                     how = finish.value
+                drafted = 2 * (n - 1) if self.speculation.on else 0
+                if n > 1 and self.speculation.on:
+                    self._spec = [self._spec[0] + 1, self._spec[1] + 1, self._spec[2] + 2, self._spec[3] + 1]
                 yield StepOutput(token=1000 + i, text=piece, finish_reason=finish,
-                                 prompt_tokens=len(prompt_tokens), completion_tokens=n)
+                                 prompt_tokens=len(prompt_tokens), completion_tokens=n, draft_n=drafted,
+                                 draft_n_accepted=drafted // 2)
                 if finish is not None:
                     return
         finally:
@@ -183,16 +194,18 @@ def _empty_slot() -> Slot:
 
 
 def fake_loader(n_ctx: int = 4096, step_s: float = 0.002, max_seqs: int = 1,
-                load_s: dict[str, float] | None = None, size_bytes: dict[str, int] | None = None):
+                load_s: dict[str, float] | None = None, size_bytes: dict[str, int] | None = None,
+                speculation: Speculation | None = None):
     """load_s: seconds a load of the model NAME sleeps (on its engine thread), by pin name; size_bytes:
-    the bytes it says it holds (1 MiB unless named)."""
+    the bytes it says it holds (1 MiB unless named); speculation: serve's (--spec-type...), which the
+    fake only reports (FakeEngine)."""
     def load(path: str):
         name = model_name(path)
         delay = (load_s or {}).get(name, 0.0)
         if delay:
             print(f"fake-engine: loading {name} for {delay} s", file=sys.stderr, flush=True)
             time.sleep(delay)
-        engine = FakeEngine(n_ctx, step_s, max_seqs, (size_bytes or {}).get(name, 1 << 20))
+        engine = FakeEngine(n_ctx, step_s, max_seqs, (size_bytes or {}).get(name, 1 << 20), speculation)
         print(f"fake-engine: loaded {name}", file=sys.stderr, flush=True)
         return engine, "a fake engine for tests"
 
@@ -280,6 +293,10 @@ class StubHandle:
     @property
     def cache_type(self) -> str | None:
         return "f16"
+
+    @property
+    def speculation(self) -> Speculation | None:
+        return Speculation()
 
     def weights_report(self) -> dict | None:
         return None

@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
         return refuse_start(e)
     sizes = json.loads(extra.model_bytes)
     loader = fake_loader(options.ctx, extra.step_ms / 1e3, max_seqs=options.config.engine.max_seqs,
-                         load_s=json.loads(extra.load_s), size_bytes=sizes)
+                         load_s=json.loads(extra.load_s), size_bytes=sizes,
+                         speculation=options.config.engine.speculation)
     if extra.replay:
         from replay_engine import replay_loader
 

@@ -8,7 +8,9 @@ llama-server counts them, and are null unless both terms are > 0. `grammar_ms` i
 answer's grammar (model/constraint.py); `resampled` is always 0: the mask applies before the sampler
 chain, so nothing is drawn twice. `energy_j` is the engine device's counter over t0..end (RAPL on a CPU,
 NVML on NVIDIA GPUs), null where unmeasured with the reason in `unavailable`: nothing is estimated;
-`energy_overlapped` says another answer ran meanwhile, which device counters cannot split.
+`energy_overlapped` says another answer ran meanwhile, which device counters cannot split. An answer
+that speculative decoding drafted for ends with `draft_n` and `draft_n_accepted` (llama-server's timings:
+tokens drafted and checked, and of those kept).
 
 Totals are sums over the kept records (energy over the measured ones), so they fall as records age out;
 lifetime counters live in Prometheus (gateway/monitor/prometheus.py).
@@ -54,7 +56,7 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         why["ttft_ms"] = "the answer has no text"
     if last.timeline is None:
         why["queue_ms"] = "the engine stamped no timeline"
-    return {
+    record = {
         "at": rounded(time.time() if at is None else at, 3),
         "model": model,
         "prompt_tokens": last.prompt_tokens,
@@ -76,6 +78,10 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         "energy_overlapped": overlapped,
         "unavailable": why,
     }
+    if last.draft_n > 0:  # speculative decoding drafted for it: as its timings say (chat_writer.py)
+        record["draft_n"] = last.draft_n
+        record["draft_n_accepted"] = last.draft_n_accepted
+    return record
 
 
 class MetricsRing:

@@ -3,7 +3,8 @@
 "models" are the registry's names; "resident" the most recently used resident model, "loaded" every
 resident one, most recently used first. Only when started with them: "chat_template_sha256" and
 "chat_template_file" (the --chat-template-file in force for the startup model), "api_keys" (how many
-keys are asked for, never which), "allowed_origins" (admitted besides the server's own origin). Only for a
+keys are asked for, never which), "allowed_origins" (admitted besides the server's own origin),
+"speculation" (the resident engine's speculative decoding: --spec-type and its sizes). Only for a
 signed model: "model_signer" (who signed the most recently verified file: bankml/model_signature.py).
 
 It answers from the most recent verification, so a client (sAGI's models.py reads
@@ -44,8 +45,21 @@ def bankml_info(state) -> dict[str, Any]:
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
         **({"model_signer": last.verified.model_signer} if last and last.verified.model_signer else {}),
         **_edge(res, access),
+        **_speculation(res),
         **_health(res),
     }
+
+
+def _speculation(res) -> dict[str, Any]:
+    """bankml's own "speculation", only while the most recently used engine drafts: its [engine] keys
+    (--spec-type, --spec-ngram-size-n/-m, --draft-max/--draft-min)."""
+    recent = res.most_recent()
+    spec = recent.client.speculation if recent is not None else None
+    if spec is None or not spec.on:
+        return {}
+    return {"speculation": {"spec_type": spec.spec_type, "spec_ngram_size_n": spec.ngram_n,
+                            "spec_ngram_size_m": spec.ngram_m, "draft_max": spec.draft_max,
+                            "draft_min": spec.draft_min}}
 
 
 def _health(res) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Two kinds of series:
 - sampled at scrape time (`UsageCollector`): from the scheduler's last snapshot (EngineStats), the
   requests running and waiting, the KV pool's use, and its cumulative prefix-cache and preemption
   counters (vLLM's names, in our prefix: `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries`,
-  `vllm:prefix_cache_hits`, `vllm:num_preemptions`); from one /bankml/usage snapshot, this process's
+  `vllm:prefix_cache_hits`, `vllm:num_preemptions`) and speculative decoding's (`vllm:spec_decode_num_drafts`,
+  `_num_draft_tokens`, `_num_accepted_tokens`, our verify steps, and the acceptance ratio while something
+  was drafted); from one /bankml/usage snapshot, this process's
   memory and CPU, RAPL package energy, per-GPU busy, memory, power, temperature and energy, the
   limiter. A value the monitor could not read is left out, not written as 0: an absent series is
   Prometheus's "unknown". In front of llama-server (P0) no engine runs here, so the engine's series
@@ -112,6 +114,26 @@ class UsageCollector:
         yield CounterMetricFamily("bankml_num_preemptions",
                                   "Sequences preempted when the KV pool ran out of pages (computed again later).",
                                   stats.preemptions)
+        yield from UsageCollector._speculation(stats)
+
+    @staticmethod
+    def _speculation(stats: EngineStats) -> Iterable[Metric]:
+        """Speculative decoding (--spec-type; 0 while nothing is drafted), vLLM's spec_decode names in our prefix."""
+        yield CounterMetricFamily("bankml_spec_decode_num_verify_steps",
+                                  "Engine steps that verified drafts (one forward of 1 + k tokens per drafting row).",
+                                  stats.spec_steps)
+        yield CounterMetricFamily("bankml_spec_decode_num_drafts",
+                                  "Drafts verified (one per drafting sequence of a verify step).", stats.spec_drafts)
+        yield CounterMetricFamily("bankml_spec_decode_num_draft_tokens", "Drafted tokens the model verified.",
+                                  stats.spec_draft_tokens)
+        yield CounterMetricFamily("bankml_spec_decode_num_accepted_tokens",
+                                  "Of the drafted tokens, those the model's own samples agreed with (kept).",
+                                  stats.spec_accepted_tokens)
+        if stats.spec_draft_tokens > 0:  # nothing drafted yet: no rate (absent, not 0)
+            yield GaugeMetricFamily("bankml_spec_decode_acceptance_ratio",
+                                    "Accepted over drafted tokens since the engine started (0..1; for a recent "
+                                    "rate, divide the rates of the two counters).",
+                                    stats.spec_accepted_tokens / stats.spec_draft_tokens)
 
     @staticmethod
     def _gpus(gpus: list[dict[str, Any]]) -> Iterable[Metric]:

@@ -27,7 +27,9 @@ from model.messages import LogprobEntry, StepOutput
 def timings(out: StepOutput) -> dict:
     """llama-server's `timings` (b11434's keys, server-task.cpp `result_timings::to_json`) for an
     answer so far: a rate or a per-token time is null when its count or time is 0 (a division by
-    zero there, which its JSON writes as null)."""
+    zero there, which its JSON writes as null). `draft_n` and `draft_n_accepted` (the tokens drafted and
+    checked so far, and of those the ones kept) only once something was drafted, as llama-server
+    writes them (`if (draft_n > 0)`)."""
     prompt_n = max(0, out.prompt_tokens - out.cached_tokens)
 
     def rate(n: int, ms: float) -> float | None:
@@ -36,12 +38,16 @@ def timings(out: StepOutput) -> dict:
     def per_token(n: int, ms: float) -> float | None:
         return round(ms / n, 3) if n > 0 else None
 
-    return {"cache_n": out.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(out.prompt_ms, 3),
+    base = {"cache_n": out.cached_tokens, "prompt_n": prompt_n, "prompt_ms": round(out.prompt_ms, 3),
             "prompt_per_token_ms": per_token(prompt_n, out.prompt_ms),
             "prompt_per_second": rate(prompt_n, out.prompt_ms), "predicted_n": out.completion_tokens,
             "predicted_ms": round(out.predicted_ms, 3),
             "predicted_per_token_ms": per_token(out.completion_tokens, out.predicted_ms),
             "predicted_per_second": rate(out.completion_tokens, out.predicted_ms)}
+    if out.draft_n > 0:
+        base["draft_n"] = out.draft_n
+        base["draft_n_accepted"] = out.draft_n_accepted
+    return base
 
 
 def usage(out: StepOutput, reasoning_tokens: int | None = None) -> dict:

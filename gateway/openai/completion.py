@@ -94,7 +94,8 @@ async def _complete(request, state, kind: Kind):
         texts = [] if kind is Kind.OAI else await off_loop(_decoded, loaded.model, prompts)
         writer = CompletionWriter(kind, f"cmpl-{uuid.uuid4().hex}", int(time.time()), shown_name(loaded, resolved), r,
                                   params_json(r.params, stream=r.stream, timings_per_token=r.timings_per_token,
-                                              tokenizer=loaded.model.tokenizer),
+                                              tokenizer=loaded.model.tokenizer,
+                                              speculation=loaded.client.speculation),
                                   prompts, texts)
         ids = [f"{writer.id}-{k}" for k in range(len(prompts) * r.n)]
         return Work(prompts, r.params, ids, writer, r.stream and not r.echo, n=r.n, grammar=r.grammar, n_ctx=fitted,

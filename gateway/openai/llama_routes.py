@@ -39,6 +39,7 @@ from gateway.serving.registry import v1_models_data
 from gateway.serving.tool_calls import plan as tool_plan
 from gateway.serving.tool_calls import read_tools
 from model.messages import SequenceState
+from model.speculative import Speculation
 
 _TEXT_TOOLS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bankml-text-tools")
 
@@ -150,18 +151,23 @@ async def slots(request, state):
     sequences = stats.sequences if stats is not None else ()  # no engine has run: no slots yet
     if any(query.get("fail_on_no_slot", [])) and all(s.is_processing for s in sequences):
         raise Overloaded("no slot available")
-    return json_response(jstr.dumps([{**slot_json(s), "cache_type": client.cache_type} for s in sequences]))
+    speculation = client.speculation
+    return json_response(jstr.dumps([{**slot_json(s, speculation), "cache_type": client.cache_type}
+                                     for s in sequences]))
 
 
-def slot_json(seq: SequenceState) -> dict[str, Any]:
+def slot_json(seq: SequenceState, speculation: Speculation | None = None) -> dict[str, Any]:
     """One slot as llama-server's `server_slot::to_json` writes it (tools/server/server-context.cpp).
 
     Left out on purpose: its `prompt` and `generated`, the text of another client's request, which
     anyone who can reach /slots would read, and for the same reason its `stop` strings. An idle
     slot keeps no memory of its last task (llama-server shows that task's params): `id_task` -1; its
     `n_prompt_tokens` are the tokens it keeps in the cache (its last sequence's, a restored file's,
-    0 once erased; absent for a slot that never ran), as llama-server's idle slot shows them."""
-    out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": False,
+    0 once erased; absent for a slot that never ran), as llama-server's idle slot shows them.
+    `speculative`: the engine drafts (`speculation`: --spec-type other than none), as llama-server's
+    slot says it can speculate."""
+    speculates = speculation is not None and speculation.on
+    out: dict[str, Any] = {"id": seq.id, "n_ctx": seq.n_ctx, "speculative": speculates,
                            "is_processing": seq.is_processing, "id_task": seq.id_task}
     if not seq.is_processing:
         if seq.n_kept is not None:
@@ -172,7 +178,7 @@ def slot_json(seq: SequenceState) -> dict[str, Any]:
     out["n_prompt_tokens_cache"] = seq.n_cached
     if seq.params is not None:
         # llama-server's task params (gateway/openai/params_json.py), its stop strings left out (see above)
-        out["params"] = {k: v for k, v in params_json(seq.params).items() if k != "stop"}
+        out["params"] = {k: v for k, v in params_json(seq.params, speculation=speculation).items() if k != "stop"}
     out["next_token"] = [{
         "has_next_token": True,  # a sequence that stopped has left its slot
         "has_new_line": False,  # llama-server tracks it for n_indent, which this engine does not take

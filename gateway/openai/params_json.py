@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.http.json_values import f32
 from model.messages import SamplingParams
+from model.speculative import Speculation
 
 # llama.cpp's defaults for what this engine does not vary (common/common.h)
 MIROSTAT_TAU = 5.0
@@ -33,11 +34,24 @@ def logit_bias_json(p: SamplingParams, tokenizer: Any = None) -> list[dict[str, 
     return out
 
 
+def speculative_json(p: SamplingParams, speculation: Speculation | None) -> dict[str, Any]:
+    """The server's speculative decoding, as the task params show it: `speculative.types` (b11434's key:
+    "none", or --spec-type's "ngram-simple"); when it drafts, also the request's draft lengths as this
+    engine applies them (-1, a request that set none, read as --draft-max / --draft-min; clamped to
+    --draft-max, which sized the verify programs) and its p_min, under the keys llama-server wrote before
+    b11434 (`speculative.n_max`, `n_min`, `p_min`). A server that drafts nothing writes b11434's one key."""
+    if speculation is None or not speculation.on:
+        return {"speculative.types": "none"}
+    n_max, n_min = speculation.limits(p.spec_n_max, p.spec_n_min)
+    return {"speculative.types": speculation.spec_type, "speculative.n_max": n_max, "speculative.n_min": n_min,
+            "speculative.p_min": f32(p.spec_p_min)}
+
+
 def params_json(p: SamplingParams, *, stream: bool = False, timings_per_token: bool = False,
-                tokenizer: Any = None) -> dict[str, Any]:
+                tokenizer: Any = None, speculation: Speculation | None = None) -> dict[str, Any]:
     """b11434's keys in its order (recorded in tests/fixtures/completions_smollm2.json); a float is
     written as the float llama-server holds (0.95 reads 0.949999988079071). `tokenizer`: the model's, for
-    the biases a string or `ignore_eos` stands for."""
+    the biases a string or `ignore_eos` stands for; `speculation`: the engine's (`speculative_json`)."""
     return {
         "seed": p.seed & 0xFFFFFFFF,  # llama-server's seed is a uint32: -1 (random) reads 4294967295
         "temperature": f32(p.temperature),
@@ -83,7 +97,7 @@ def params_json(p: SamplingParams, *, stream: bool = False, timings_per_token: b
         "reasoning_in_content": False,
         "generation_prompt": "",
         "samplers": list(p.samplers),
-        "speculative.types": "none",
+        **speculative_json(p, speculation),
         "timings_per_token": timings_per_token,
         "post_sampling_probs": False,
         "backend_sampling": False,

@@ -4,8 +4,11 @@
 - `default_generation_settings`: `params` are the defaults a request starts from (llama.cpp's, under
   the GGUF's general.sampling.* keys), with llama-server's float32 values (0.8 reads
   0.800000011920929); the fields this engine has no knob for carry llama-server's defaults, which
-  are what it does (mirostat off, no LoRA, no speculative decoding, content-only chat parsing, no
-  reasoning extraction). `n_ctx` is a sequence's context.
+  are what it does (mirostat off, no LoRA, content-only chat parsing, no reasoning extraction).
+  `speculative.types` is the server's --spec-type ("none", or "ngram-simple"); a server that drafts also
+  shows the draft lengths a request gets by default (`speculative.n_max` / `n_min`: --draft-max /
+  --draft-min) and `speculative.p_min`, as llama-server before b11434 showed them. `n_ctx` is a
+  sequence's context.
 - `total_slots`: the engine's `[engine] max_seqs`; `model_alias`: the name the answers carry (the
   file name); `model_ftype`: llama.cpp's name of the GGUF's general.file_type.
 - `chat_template`: the template in force (--chat-template-file's when set, then also
@@ -32,10 +35,12 @@ from typing import Any
 
 from bankml import __version__
 from gateway.http.json_values import f32
+from gateway.openai.params_json import speculative_json
 from gateway.serving.reasoning import thought_tags
 from gateway.serving.template_caps import template_caps
 from model.chat_template import CHATML_TEMPLATE
 from model.messages import SamplingParams
+from model.speculative import Speculation
 from model.tokenizer_gguf import gguf_fields
 
 # llama_ftype_name (src/llama-model-loader.cpp), by general.file_type
@@ -68,8 +73,9 @@ def _header_fields(path: str, identity: Any) -> tuple[str, str | None]:
     return ftype_name(kv.get("general.file_type")), tool_use if isinstance(tool_use, str) and tool_use else None
 
 
-def default_params(d: SamplingParams) -> dict[str, Any]:
-    """task_params::to_json(only_metrics=true) for a request that sets nothing (server-task.cpp)."""
+def default_params(d: SamplingParams, speculation: Speculation | None = None) -> dict[str, Any]:
+    """task_params::to_json(only_metrics=true) for a request that sets nothing (server-task.cpp), on an
+    engine that speculates as `speculation` says (params_json.py's `speculative_json`)."""
     return {
         "seed": d.seed & 0xFFFFFFFF,  # a uint32: -1 (random) reads 4294967295
         "temperature": f32(d.temperature),
@@ -108,7 +114,7 @@ def default_params(d: SamplingParams) -> dict[str, Any]:
         "reasoning_in_content": False,
         "generation_prompt": "",
         "samplers": list(d.samplers),
-        "speculative.types": "none",
+        **speculative_json(d, speculation),
         "timings_per_token": False,
         "post_sampling_probs": False,
         "backend_sampling": False,
@@ -124,7 +130,8 @@ def props_json(loaded: Any) -> dict[str, Any]:
     ftype, tool_use = _header_fields(loaded.path, loaded.identity)
     template = m.chat_template or CHATML_TEMPLATE
     out: dict[str, Any] = {
-        "default_generation_settings": {"params": default_params(m.defaults), "n_ctx": m.n_ctx},
+        "default_generation_settings": {"params": default_params(m.defaults, loaded.client.speculation),
+                                        "n_ctx": m.n_ctx},
         "total_slots": loaded.client.max_seqs,
         "model_alias": loaded.file_name,
         "model_ftype": ftype,

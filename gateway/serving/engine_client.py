@@ -26,6 +26,7 @@ from model import device_budget
 from model.engine_thread import EnergyMeter, EngineThread, Ticket
 from model.messages import EngineStats, GenerateRequest, StepOutput
 from model.slot_file import Expect, Slot
+from model.speculative import Speculation
 
 T = TypeVar("T")
 
@@ -226,6 +227,11 @@ class EngineClient:
     def cache_type(self) -> str | None:
         engine = self._thread.engine
         return str(engine.cache_type) if engine is not None else None  # type: ignore[union-attr]
+
+    @property
+    def speculation(self) -> Speculation | None:
+        engine = self._thread.engine
+        return engine.speculation if engine is not None else None  # type: ignore[union-attr]
 
     def weights_report(self) -> dict | None:
         engine = self._thread.engine

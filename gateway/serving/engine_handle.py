@@ -23,6 +23,7 @@ import numpy as np
 from model.engine_thread import BatchEngine, EnergyMeter
 from model.messages import EngineStats, GenerateRequest, StepOutput
 from model.slot_file import Expect, Slot
+from model.speculative import Speculation
 
 Outputs = AsyncIterable[StepOutput]  # one generation's outputs; the last has a finish_reason
 
@@ -132,6 +133,11 @@ class EngineHandle(Protocol):
     def cache_type(self) -> str | None:
         """What the KV pool's pages hold ([engine] cache_type: "f16", "q8_0"); None without an engine."""
 
+    @property
+    def speculation(self) -> Speculation | None:
+        """The engine's speculative decoding (--spec-type, --draft-max...: /props, /slots, the task params);
+        None without an engine."""
+
     def weights_report(self) -> dict | None:
         """The engine's report of its weights and kernels (GET /bankml "weights"); None: no engine, or
         one that does not report (the tests' fakes)."""
@@ -172,6 +178,7 @@ class ServedEngine(BatchEngine, Protocol):
     n_embd: int
     n_vocab: int
     cache_type: str  # the KV pool's
+    speculation: Speculation  # its drafts (spec_type "none": it drafts nothing)
 
     def warmup(self) -> float:
         """Compile what a first answer needs; the seconds it took."""
