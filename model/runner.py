@@ -144,16 +144,8 @@ class Runner:
 
     def read_verify(self, seqs: list[SchedSequence], sampled: Sampled, drafts: list[list[int]]) -> list[Tokens]:
         out = jax.device_get(sampled)
-        result = []
-        for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
-            n_probs = seq.request.params.n_probs
-            row = []
-            for j in range(1 + len(draft)):
-                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i, j, :n_probs],
-                                                             out.top_logprobs[i, j, :n_probs], strict=True)]
-                row.append((int(out.tokens[i, j]), float(out.logprob[i, j]) if n_probs > 0 else None, top))
-            result.append(row)
-        return result
+        return [[_entry(out, (i, j), seq.request.params.n_probs) for j in range(1 + len(draft))]
+                for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True))]
 
     def sample(self, seqs: list[SchedSequence], logits: jax.Array) -> Tokens:
         return self.read(seqs, self.sample_async(seqs, logits))
@@ -182,13 +174,7 @@ class Runner:
 
     def read(self, seqs: list[SchedSequence], sampled: Sampled) -> Tokens:
         out = jax.device_get(sampled)
-        result = []
-        for i, seq in enumerate(seqs):
-            n_probs = seq.request.params.n_probs
-            top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[i, :n_probs], out.top_logprobs[i, :n_probs],
-                                                        strict=True)]
-            result.append((int(out.tokens[i]), float(out.logprob[i]) if n_probs > 0 else None, top))
-        return result
+        return [_entry(out, (i,), seq.request.params.n_probs) for i, seq in enumerate(seqs)]
 
     def needs_host(self, seqs: list[SchedSequence]) -> bool:
         """Whether any of `seqs` uses DRY or a grammar, which the host computes from its tokens."""
@@ -248,6 +234,13 @@ def _pages_bucket(pages: list[int], n_pages: int) -> np.ndarray:
     out = np.full(size, n_pages, np.int32)
     out[:len(pages)] = pages
     return out
+
+
+def _entry(out: Sampled, at: tuple[int, ...], n_probs: int) -> tuple[int, float | None, list]:
+    """One sampled position of `out` (read to the host) at index `at`: (token, logprob, top)."""
+    top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[at][:n_probs], out.top_logprobs[at][:n_probs],
+                                                strict=True)]
+    return int(out.tokens[at]), float(out.logprob[at]) if n_probs > 0 else None, top
 
 
 def _wants_dry(p: SamplingParams) -> bool:

@@ -281,9 +281,9 @@ class Scheduler:
         step, self._ahead = self._ahead, None
         if step is None:
             rows = self._reserve([s for s in self.running if not s.prefilling])
-            drafts = self._drafts(rows) if self.speculation and rows else None
-            if drafts is not None:
-                self._verify(rows, drafts, it)
+            drafted = self._drafts(rows) if self.speculation and rows else None
+            if drafted is not None:
+                self._verify(rows, *drafted, it)
                 return it
             step = self._dispatch(rows) if rows else None
         if step is not None:
@@ -363,9 +363,10 @@ class Scheduler:
         return (self.speculation.limits(p.spec_n_max, p.spec_n_min)[0] > 0
                 and not self.runner.needs_host([seq]))
 
-    def _drafts(self, rows: list[Sequence]) -> list[list[int]] | None:
+    def _drafts(self, rows: list[Sequence]) -> tuple[list[list[int]], int] | None:
         """Each row's draft (maybe empty), cut to what its limits, the context and the free pages
-        allow; None when no row has one or no verify program fits (a plain decode step)."""
+        allow, and the verify bucket holding them; None when no row has one or no verify program fits
+        (a plain decode step)."""
         spec = self.speculation
         if len(rows) > MAX_VERIFY_ROWS:
             return None
@@ -402,11 +403,10 @@ class Scheduler:
         tokens = next(t for t in self.verify_buckets if t >= longest + 1)
         if not self.runner.can_verify(len(rows), tokens, rows):
             return None
-        return drafts
+        return drafts, tokens
 
-    def _verify(self, rows: list[Sequence], drafts: list[list[int]], it: Iteration) -> None:
-        """One verify step for `rows` (see the module's docstring)."""
-        tokens = next(t for t in self.verify_buckets if t >= max(len(d) for d in drafts) + 1)
+    def _verify(self, rows: list[Sequence], drafts: list[list[int]], tokens: int, it: Iteration) -> None:
+        """One verify step for `rows` of `tokens` a row (see the module's docstring)."""
         sampled = self.runner.verify(rows, drafts, tokens)
         self.spec_steps += 1
         for seq, draft, positions in zip(rows, drafts, self.runner.read_verify(rows, sampled, drafts), strict=True):
