@@ -321,8 +321,6 @@ def test_a_function_call_output_continues_and_is_in_the_prompt(client):
     assert second.output_text == REPLY
     without = client.responses.input_tokens.count(model="any", previous_response_id=r.id, tools=[WEATHER],
                                                   tool_choice="none", input=[]).input_tokens
-    # the first turn, then the tool's output as a turn of its own: the tiny model's template renders no tool
-    # turns, so it is polyfilled as llama-server does (a user turn of JSON naming the call's function)
-    result = json.dumps({"tool_response": {"tool": "get_weather", "content": "Sunny, 21 C."}}, indent=2)
-    assert second.usage.input_tokens - without == len(f"<|im_start|>user\n{result}<|im_end|>\n")
+    # the first turn, then the tool's output as a turn of its own
+    assert second.usage.input_tokens - without == len("<|im_start|>tool\nSunny, 21 C.<|im_end|>\n")
     assert [i.type for i in client.responses.input_items.list(second.id)] == ["function_call_output"]

@@ -92,25 +92,6 @@ def test_the_generic_plan_instructs_and_writes_the_history_in_its_own_json():
     assert with_system.messages[0]["content"].startswith("Be brief.\n\n" + tc.GENERIC_SYSTEM)
 
 
-def test_a_template_that_cannot_render_calls_gets_them_polyfilled_without_tools_too():
-    """tool_choice none (or no tools) after a call: a template that drops tool_calls (PLAIN, SmolLM2's) would
-    show an empty assistant turn; the call and its result are written as the generic format writes them."""
-    history = USER + [
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "18 C"},
-    ]
-    assert tc.plan(tools(tool_choice="none"), history, PLAIN) is None
-    filled = tc.polyfilled_history(history, PLAIN)
-    assert json.loads(filled[1]["content"]) == {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-    assert filled[2]["role"] == "user" and json.loads(filled[2]["content"])["tool_response"]["content"] == "18 C"
-    native = "{% for m in messages %}{{ m.role }}{% for c in m.tool_calls or [] %}{{ c.function.name }}" \
-             "{% endfor %}{% endfor %}"
-    assert tc.polyfilled_history(history, native) is history  # a template that renders calls gets them as they are
-    assert tc.polyfilled_history(USER, PLAIN) is USER
-
-
 def test_the_generic_schema_is_a_call_or_a_response_and_only_a_call_when_required():
     auto = tc.generic_schema(tools())
     call, response = auto["anyOf"]

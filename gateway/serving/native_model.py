@@ -17,7 +17,6 @@ from typing import Any
 from bankml.errors import ContextExceeded, InvalidRequest
 from bankml.serve_files import ChatTemplateFile
 from gateway.serving.request_fields import gguf_defaults
-from gateway.serving.tool_calls import polyfilled_history
 from model.chat_template import TemplateError, render_chat
 from model.messages import SamplingParams
 from model.tokenizer_bpe import InvalidText, TokenLimitExceeded
@@ -49,7 +48,6 @@ class NativeModel:
         if continue_final:
             return self._continued(messages, tools, template_kwargs)
         tok = self.tokenizer
-        messages = polyfilled_history(messages, self.chat_template)
         try:
             return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                bos_token=tok.bos_token, eos_token=tok.eos_token,

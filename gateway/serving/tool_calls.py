@@ -18,7 +18,6 @@ generated, before content and calls are parsed out of it.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import secrets
@@ -27,7 +26,6 @@ from typing import Any
 
 from bankml.errors import InvalidRequest, NotSupported
 from gateway.serving.constraints import MAX_SCHEMA_NODES, check_schema, exact_json
-from gateway.serving.template_caps import template_caps
 from model import constraint as mc
 
 GENERIC_SYSTEM = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
@@ -194,23 +192,6 @@ def _openai_history(m: dict) -> dict:
             raise InvalidRequest("Failed to parse messages: a tool call needs a 'function' object")
         calls.append({**c, "function": {**fn, "arguments": _arguments(c)}})
     return {**m, "tool_calls": calls}
-
-
-def polyfilled_history(messages: list[dict], template: str | None) -> list[dict]:
-    """A conversation's past calls and tool results for a template that cannot render them (SmolLM2's,
-    Gemma 3's), as minja's polyfills write them (what llama-server renders): a call as the assistant's JSON,
-    a result as a user turn. Without it such a template drops the calls (an empty assistant turn), so a
-    conversation continued with tool_choice none, or with no tools, loses what was called."""
-    if not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
-        return messages
-    if _renders_tool_calls(template or ""):
-        return messages
-    return _generic_history(messages, False)
-
-
-@functools.lru_cache(maxsize=16)
-def _renders_tool_calls(template: str) -> bool:
-    return template_caps(template)["supports_tool_calls"] if template else False
 
 
 def _generic_history(messages: list[dict], parallel: bool) -> list[dict]:
