@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from bankml import serve_files
 from bankml.errors import ConfigInvalid
 from bankml.serve_files import ChatTemplateFile
-from model.speculative import Speculation, spec_type_refusal  # no jax (the flags need no engine)
+from model.speculative import MAX_DRAFT, Speculation, spec_type_refusal  # no jax (the flags need no engine)
 
 if TYPE_CHECKING:
     from bankml.signing import ReceiptKey
@@ -170,6 +170,13 @@ def _positive(value: Any, what: str) -> None:
         raise ConfigInvalid(f"{what} must be positive, not {value!r}")
 
 
+def _draft_max(value: Any, what: str) -> None:
+    _positive(value, what)
+    if value > MAX_DRAFT:  # it sizes the verify programs (1 + draft_max tokens a row)
+        raise ConfigInvalid(f"{what} must be at most {MAX_DRAFT}, not {value!r} (a verify step holds 1 + that "
+                            "many tokens a row)")
+
+
 def _not_negative(value: Any, what: str) -> None:
     if value < 0:
         raise ConfigInvalid(f"{what} must not be negative, not {value!r}")
@@ -223,7 +230,7 @@ _CHECKS = {
     "engine.spec_type": _spec_type,
     "engine.spec_ngram_size_n": _positive,
     "engine.spec_ngram_size_m": _positive,
-    "engine.draft_max": _positive,
+    "engine.draft_max": _draft_max,
     "engine.draft_min": _not_negative,
     "registry.max_loaded": _positive,
 }
@@ -426,7 +433,7 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         raise ConfigInvalid(why)
     for flag, value, check in (("--spec-ngram-size-n", spec_ngram_size_n, _positive),
                                ("--spec-ngram-size-m", spec_ngram_size_m, _positive),
-                               ("--draft-max", draft_max, _positive), ("--draft-min", draft_min, _not_negative)):
+                               ("--draft-max", draft_max, _draft_max), ("--draft-min", draft_min, _not_negative)):
         if value is not None:
             check(value, flag)
     drafts = {"spec_type": spec_type, "spec_ngram_size_n": spec_ngram_size_n, "spec_ngram_size_m": spec_ngram_size_m,

@@ -58,6 +58,16 @@ def mask_bias(words: np.ndarray, n_vocab: int, out: np.ndarray) -> None:
     out[~allowed] = NEG_INF
 
 
+def wants_bias(p: SamplingParams, constraint: object, uses_dry: bool) -> bool:
+    """Whether a row needs the host's bias: biases or ignore_eos, DRY, or a grammar."""
+    return needs_pre(p) or uses_dry or constraint is not None
+
+
+def bias_rows(n: int, buckets: Sequence[int]) -> int:
+    """The bias rows D for `n` rows that need one: the smallest bucket that holds them (0 for none)."""
+    return 0 if n == 0 else next(x for x in buckets if x >= n)
+
+
 def host_bias(seqs: Sequence, rows: int, buckets: Sequence[int], n_vocab: int, eog_ids: Collection[int],
               dry: Callable[[object], np.ndarray | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(pre [D, V], post [D, V], at [D] int32) for the rows of `seqs` that need any, or None.
@@ -70,11 +80,11 @@ def host_bias(seqs: Sequence, rows: int, buckets: Sequence[int], n_vocab: int, e
         p = s.request.params
         constraint = s.request.constraint
         dry_row = dry(s)
-        if needs_pre(p) or dry_row is not None or constraint is not None:
+        if wants_bias(p, constraint, dry_row is not None):
             wanted.append((row, s, p, constraint, dry_row))
     if not wanted:
         return None
-    d = next(x for x in buckets if x >= len(wanted))
+    d = bias_rows(len(wanted), buckets)
     pre = np.zeros((d, n_vocab), np.float32)
     post = np.zeros((d, n_vocab), np.float32)
     at = np.full(d, rows, np.int32)

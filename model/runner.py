@@ -23,7 +23,7 @@ import numpy as np
 from model.compiled import ProgramCache
 from model.config import Config
 from model.dry import PieceIndex, RestartCache, RestartSequences, dry_bias, dry_enabled, restart_sequences
-from model.host_bias import host_bias, needs_pre
+from model.host_bias import bias_rows, host_bias, wants_bias
 from model.kvcache import KVPool, gather_pages, init_pool, scatter_pages
 from model.messages import SamplingParams
 from model.programs import ProgramTable
@@ -110,10 +110,9 @@ class Runner:
                 and (f"vselect{tokens}", b, dry) in self.compiled.ready)
 
     def _host_rows(self, seqs: list[SchedSequence], b: int) -> int:
-        """The DRY-row bucket `host_bias` will pick for `seqs` (0: none needs the host's bias)."""
-        n = sum(1 for s in seqs if _wants_dry(s.request.params) or s.request.constraint is not None
-                or needs_pre(s.request.params))
-        return 0 if n == 0 else next(d for d in self.table.dry_buckets(b) if d >= n)
+        """The bias rows `host_bias` will pick for `seqs` (0: none needs the host's bias)."""
+        n = sum(wants_bias(s.request.params, s.request.constraint, _wants_dry(s.request.params)) for s in seqs)
+        return bias_rows(n, self.table.dry_buckets(b))
 
     def verify(self, seqs: list[SchedSequence], drafts: list[list[int]], tokens: int) -> Sampled:
         """Each of `seqs`' next token and its draft through the target (`tokens` a row, padded), and
@@ -132,15 +131,7 @@ class Runner:
             lengths[i], steps[i] = len(seq.tokens), seq.completion.n_generated
         self.pool, logits = self.compiled.get(f"verify{tokens}", b, window)(
             self.weights, self.pool, ids, self._table(seqs, b), starts, n_new)
-        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
-        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
-        host = host_bias(seqs, b, self.table.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
-        post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
-        program = self.compiled.get(f"vselect{tokens}", b, 0 if host is None else host[2].shape[0])
-        out, self.history = program(logits, sa, self.history, slots, lengths, steps, drafted, n_new, post, at, pre)
-        for leaf in jax.tree.leaves(out):
-            leaf.copy_to_host_async()
-        return out
+        return self._select(f"vselect{tokens}", seqs, logits, slots, lengths, steps, drafted, n_new)
 
     def read_verify(self, seqs: list[SchedSequence], sampled: Sampled, drafts: list[list[int]]) -> list[Tokens]:
         out = jax.device_get(sampled)
@@ -154,20 +145,26 @@ class Runner:
         """Dispatch the sampling of `seqs` from `logits` and start copying what it returns to the
         host; `read` waits for it. ahead 1: the step ahead's, one token past what the host holds
         (that token is in the history already: the previous select wrote it)."""
+        if ahead and self.needs_host(seqs):
+            raise AssertionError("DRY's bias and grammars need the host's tokens: no step ahead (needs_host)")
         b = logits.shape[0]
-        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
-        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
         rows = np.full(b, self.max_seqs, np.int32)  # padding rows write to the spare row
         lengths, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for i, seq in enumerate(seqs):
             rows[i], lengths[i], steps[i] = seq.slot, len(seq.tokens) + ahead, seq.completion.n_generated + ahead
-        # filled while the device computes the step just dispatched (model/host_bias.py)
+        return self._select("select", seqs, logits, rows, lengths, steps)
+
+    def _select(self, kind: str, seqs: list[SchedSequence], logits: jax.Array, *rows: np.ndarray) -> Sampled:
+        """Dispatch the `kind` sampling program over `logits` with each row's chain and the host's bias
+        (filled while the device computes the step just dispatched, model/host_bias.py); what it returns
+        starts copying to the host."""
+        b = logits.shape[0]
+        params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
+        sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
         host = host_bias(seqs, b, self.table.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
-        if host is not None and ahead and self.needs_host(seqs):
-            raise AssertionError("DRY's bias and grammars need the host's tokens: no step ahead (needs_host)")
-        program = self.compiled.get("select", b, 0 if host is None else host[2].shape[0])
+        program = self.compiled.get(kind, b, 0 if host is None else host[2].shape[0])
         post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
-        out, self.history = program(logits, sa, self.history, rows, lengths, steps, post, at, pre)
+        out, self.history = program(logits, sa, self.history, *rows, post, at, pre)
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
         return out

@@ -374,17 +374,13 @@ class Scheduler:
         for seq in rows:
             draft: list[int] = []
             if self._may_draft(seq):
-                p, c = seq.request.params, seq.completion
-                n_max, n_min = spec.limits(p.spec_n_max, p.spec_n_min)
+                p = seq.request.params
                 room = self.n_ctx - 1 - seq.n_computed  # cells n_computed + 1 .. + k must lie in the context
                 if p.max_tokens >= 0:
-                    room = min(room, p.max_tokens - c.n_generated - 1)  # the last kept token is sampled
-                room = min(room, n_max, self.verify_buckets[-1] - 1)
+                    room = min(room, p.max_tokens - seq.completion.n_generated - 1)  # the last kept is sampled
                 if seq.ngrams is None:
                     seq.ngrams = NgramIndex(spec.ngram_n)
-                draft = seq.ngrams.draft(seq.tokens, min(spec.ngram_m, room)) if room > 0 else []
-                if len(draft) < max(n_min, 1):
-                    draft = []
+                draft = spec.draft(seq.ngrams, seq.tokens, room, p.spec_n_max, p.spec_n_min)
             drafts.append(draft)
         if not any(drafts):
             return None

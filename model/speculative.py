@@ -33,6 +33,7 @@ NOT_DONE = {
     "ngram-mod": "its hash pool shared by all slots",
 }
 MIN_VERIFY_TOKENS = 4  # the smallest verify bucket (1 + k tokens a row)
+MAX_DRAFT = 63  # the largest verify bucket is 64 tokens a row
 __all__ = ["MAX_VERIFY_ROWS", "NgramIndex", "Speculation", "spec_type_refusal"]
 
 
@@ -62,6 +63,8 @@ class Speculation:
         for name in ("ngram_n", "ngram_m", "draft_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"speculation's {name} must be at least 1, got {getattr(self, name)}")
+        if self.draft_max > MAX_DRAFT:  # it sizes the verify programs: 1 + draft_max tokens a row
+            raise ValueError(f"speculation's draft_max must be at most {MAX_DRAFT}, got {self.draft_max}")
         if self.draft_min < 0:
             raise ValueError(f"speculation's draft_min must be at least 0, got {self.draft_min}")
 
@@ -80,6 +83,15 @@ class Speculation:
             out.append(t)
             t *= 2
         return out
+
+    def draft(self, index: NgramIndex, tokens: list[int], room: int, n_max: int, n_min: int) -> list[int]:
+        """A sequence's draft from its n-gram index: at most `room` tokens (what the context and the
+        request's max_tokens leave) and the request's limits (speculative.n_max, n_min: `limits`); none
+        when shorter than n_min, or than 1."""
+        n_max, n_min = self.limits(n_max, n_min)
+        k = min(room, n_max, self.ngram_m)
+        draft = index.draft(tokens, k) if k > 0 else []
+        return draft if len(draft) >= max(n_min, 1) else []
 
     def limits(self, n_max: int, n_min: int) -> tuple[int, int]:
         """A request's (n_max, n_min), -1 meaning the server's, clamped as llama-server clamps them

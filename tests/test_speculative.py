@@ -62,6 +62,23 @@ def test_limits_and_buckets():
     assert spec.limits(40, 1) == (16, 1)  # never past --draft-max: it sizes the programs
     assert spec.limits(3, 9) == (3, 3)  # n_min <= n_max
     assert spec.limits(0, -1) == (0, 0)  # off for this request
+    assert Speculation("ngram-simple", draft_max=63).verify_buckets()[-1] == 64
+    with pytest.raises(ValueError, match="at most 63"):
+        Speculation("ngram-simple", draft_max=64)
+
+
+def test_a_draft_is_cut_to_the_room_and_the_limits_and_dropped_below_n_min():
+    spec = Speculation("ngram-simple", ngram_n=2, ngram_m=5, draft_max=4)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]  # [1, 2] was followed by 3..8
+
+    def draft(room, n_max=-1, n_min=-1):
+        return spec.draft(NgramIndex(2), tokens, room, n_max, n_min)
+
+    assert draft(10) == [3, 4, 5, 6]  # --draft-max
+    assert draft(2) == [3, 4]  # the room left
+    assert draft(10, n_max=3) == [3, 4, 5] and draft(0) == [] and draft(10, n_max=0) == []
+    assert draft(2, n_min=3) == [] and draft(3, n_min=3) == [3, 4, 5]  # shorter than n_min: none
+    assert Speculation("ngram-simple", ngram_n=2, ngram_m=2).draft(NgramIndex(2), tokens, 10, -1, -1) == [3, 4]
 
 
 def test_other_spec_types_are_refused_by_name():

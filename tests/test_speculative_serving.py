@@ -61,6 +61,7 @@ def test_the_engine_keys_of_a_config_file_and_flags_over_them(tmp_path: Path):
                        ('spec_type = "eagle"', "one of none, ngram-simple"),
                        ("spec_type = 1", "must be str"),
                        ("draft_max = 0", "'engine.draft_max' must be positive"),
+                       ("draft_max = 64", "'engine.draft_max' must be at most 63"),
                        ("spec_ngram_size_m = 0", "must be positive"),
                        ("draft_min = -1", "'engine.draft_min' must not be negative")]:
         conf.write_text(f"[engine]\n{table}\n")
@@ -92,6 +93,9 @@ def test_bad_sizes_are_bad_usage(capsys):
         assert e.value.code == 1, argv
     with pytest.raises(ConfigInvalid, match="--draft-max must be positive"):
         serve_options(Config(), native=True, draft_max=0)
+    with pytest.raises(ConfigInvalid, match="--draft-max must be at most 63"):  # it sizes the verify programs
+        serve_options(Config(), native=True, draft_max=64)
+    assert serve_options(Config(), native=True, draft_max=63).config.engine.draft_max == 63
 
 
 def test_draft_models_and_native_spec_ngram_are_refused_by_name():
