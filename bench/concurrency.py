@@ -341,7 +341,7 @@ def wait_compiled(server: CliServer, timeout_s: float) -> str:
     if not re.search(r"\d+ more compile later", server.log()):
         return "none left at start"
     t0 = time.perf_counter()
-    if server.wait_for_log(r"all \d+ ready", timeout_s) is None:
+    if server.wait_for_log(r"programs in the background in [\d.]+ s", timeout_s) is None:
         return f"not done after {timeout_s:.0f} s (measured anyway)"
     return f"waited {time.perf_counter() - t0:.1f} s"
 

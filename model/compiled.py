@@ -78,6 +78,8 @@ class ProgramCache:
         self._compiling: dict[Key, Future] = {}  # programs being compiled, by whichever thread began
         self._lock = threading.Lock()
         self._stop_background = threading.Event()
+        self._soon: list[Key] = []  # `compile_soon`'s queue, and whether its thread is running
+        self._soon_running = False
 
     def get(self, kind: str, t: int, window: int):
         """The compiled program for (kind, padded length, window), compiled on first use.
@@ -195,14 +197,50 @@ class ProgramCache:
                 del cache
             cache = cache_ref()
             if cache is not None:
-                log.info("compiled the other %d programs in the background in %.1f s: all %d ready", len(keys),
-                         time.perf_counter() - t0, len(cache.ready))
+                later = sum(1 for k in cache.table.keys() if k not in cache.ready)
+                log.info("compiled the other %d programs in the background in %.1f s: %s", len(keys),
+                         time.perf_counter() - t0, f"all {len(cache.ready)} ready" if not later else
+                         f"{len(cache.ready)} ready, {later} verify programs when a step first wants them")
                 _return_freed_memory()
 
         thread = threading.Thread(target=compile_rest, name="bankml-compile", daemon=True)
         atexit.register(stop.set)  # no new compile starts while the process exits
         thread.start()
         return thread
+
+
+    def compile_soon(self, keys: list[Key]) -> None:
+        """Compile `keys` (the table's `on_demand` programs a step wants) on a daemon thread, once each,
+        without waiting: the step runs without them meanwhile. The thread ends when its queue is empty
+        and holds the cache only while it compiles a program, as the background compile does."""
+        with self._lock:
+            new = [k for k in keys if k not in self.ready and k not in self._compiling and k not in self._soon]
+            self._soon += new
+            if not new or self._soon_running:
+                return
+            self._soon_running = True
+        cache_ref, stop = weakref.ref(self), self._stop_background
+
+        def drain() -> None:
+            while True:
+                cache = cache_ref()
+                if cache is None:
+                    return
+                with cache._lock:
+                    if not cache._soon or stop.is_set():
+                        cache._soon.clear()
+                        cache._soon_running = False
+                        return
+                    key = cache._soon[0]
+                try:
+                    cache.get(*key)
+                except Exception:
+                    log.exception("compiling %s failed; a later step asks again", key)
+                with cache._lock:
+                    cache._soon.remove(key)
+                del cache
+
+        threading.Thread(target=drain, name="bankml-compile-soon", daemon=True).start()
 
 
 def _idle_arrays() -> ChainArrays:

@@ -9,8 +9,9 @@ temperature, token or batch ever asks for a program outside it:
 - "select": the sampler for a batch, with 0 or a batch bucket of rows that use DRY;
 - "row": a prompt into the token history;
 - with speculation (model/speculative.py), for each verify bucket T: "verify{T}", T tokens for each of up
-  to MAX_VERIFY_ROWS rows (a next token and its draft) attending to a decode window, and "vselect{T}",
-  the sampler at each of their positions (with 0 or a bucket of DRY rows, as "select").
+  to MAX_VERIFY_ROWS rows (a next token and its draft) attending to a prefill window, and "vselect{T}",
+  the sampler at each of their positions (with 0 or a bucket of DRY rows, as "select"); those past the
+  smallest window compile when a step first wants them (`on_demand`), not at start.
 Windows are counted in cells and given to programs in pages: powers of two from MIN_WINDOW up to the
 whole context, and for decode, which reads its whole window every step, 1.5x each between them.
 `essential_keys` are what first short requests need (model/compiled.py compiles them before the rest).
@@ -108,9 +109,22 @@ class ProgramTable:
         keys += [("row", 0, 0)] + [("select", b, d) for b in self.batches for d in self.dry_buckets(b)]
         for t in self.verify_tokens:
             for b in self.verify_batches():
-                keys += [(f"verify{t}", b, self.window_pages(w, self.decode_windows)) for w in self.decode_windows]
+                keys += [(f"verify{t}", b, self.window_pages(w, self.prefill_windows)) for w in self.prefill_windows]
                 keys += [(f"vselect{t}", b, d) for d in self.dry_buckets(b)]
         return keys
+
+    def verify_window(self, n_cells: int) -> int:
+        """The window (pages) of a verify step whose rows hold at most `n_cells` cached cells: the
+        powers of two only (a verify step is rarer than a decode step, and each window is a program
+        for every verify bucket and batch)."""
+        return self.window_pages(n_cells, self.prefill_windows)
+
+    def on_demand(self, key: Key) -> bool:
+        """Whether a program is compiled only once a step wants it (model/compiled.py `compile_soon`),
+        not in the background at start: the verify programs past the smallest window. Most servers use
+        few of them (the windows their conversations reach), and all of them would take minutes of a
+        small CPU's time (SmolLM2 on 2 vCPUs: 156 programs, 430 s)."""
+        return key[0].startswith("verify") and key[2] > self.verify_window(min(MIN_WINDOW, self.n_ctx))
 
     def verify_batches(self) -> list[int]:
         """The batch buckets a verify step takes: those up to the one holding MAX_VERIFY_ROWS rows."""
@@ -134,5 +148,5 @@ class ProgramTable:
     def background_order(self, compiled) -> list[Key]:
         """The programs not in `compiled`, the likeliest next needs first: small windows (a longer answer,
         a second turn reusing its prefix) before large ones, then the larger chunks."""
-        rest = [k for k in self.keys() if k not in compiled]
+        rest = [k for k in self.keys() if k not in compiled and not self.on_demand(k)]
         return sorted(rest, key=lambda k: (k[2], k[0] != "decode", k[1]))

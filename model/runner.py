@@ -101,13 +101,15 @@ class Runner:
 
     def _verify_shape(self, n_rows: int, seqs: list[SchedSequence]) -> tuple[int, int]:
         b = next(x for x in self.table.batches if x >= n_rows)
-        return b, self.table.window_pages(max(s.n_computed for s in seqs), self.table.decode_windows)
+        return b, self.table.verify_window(max(s.n_computed for s in seqs))
 
     def can_verify(self, rows: int, tokens: int, seqs: list[SchedSequence]) -> bool:
         b, window = self._verify_shape(rows, seqs)
-        dry = self._host_rows(seqs, b)
-        return ((f"verify{tokens}", b, window) in self.compiled.ready
-                and (f"vselect{tokens}", b, dry) in self.compiled.ready)
+        keys = [(f"verify{tokens}", b, window), (f"vselect{tokens}", b, self._host_rows(seqs, b))]
+        missing = [k for k in keys if k not in self.compiled.ready]
+        if missing:
+            self.compiled.compile_soon(missing)  # a plain decode step meanwhile
+        return not missing
 
     def _host_rows(self, seqs: list[SchedSequence], b: int) -> int:
         """The bias rows `host_bias` will pick for `seqs` (0: none needs the host's bias)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model.programs import MAX_VERIFY_ROWS, pow2_at_least
+from model.programs import MAX_VERIFY_ROWS
 
 SPEC_TYPES = ("none", "ngram-simple")
 # llama-server's other types, refused by name at start
@@ -33,7 +33,7 @@ NOT_DONE = {
     "ngram-mod": "its hash pool shared by all slots",
 }
 MIN_VERIFY_TOKENS = 4  # the smallest verify bucket (1 + k tokens a row)
-MAX_DRAFT = 63  # the largest verify bucket is 64 tokens a row
+MAX_DRAFT = 63  # the largest verify bucket: 64 tokens a row
 __all__ = ["MAX_VERIFY_ROWS", "NgramIndex", "Speculation", "spec_type_refusal"]
 
 
@@ -73,16 +73,17 @@ class Speculation:
         return self.spec_type != "none"
 
     def verify_buckets(self) -> list[int]:
-        """The tokens a verify row holds (1 + k, padded): powers of two from MIN_VERIFY_TOKENS up to the
-        one holding 1 + draft_max."""
+        """The tokens a verify row holds (1 + k, padded): 1 + draft_max, and below it the powers of two
+        from MIN_VERIFY_TOKENS up to half of it (4, 8, 17 for draft_max 16). An n-gram draft is mostly
+        as long as a request allows (m 48 > draft_max), so the top bucket fits it exactly; each bucket
+        is a program per batch and window."""
         if not self.on:
             return []
-        top = pow2_at_least(self.draft_max + 1, MIN_VERIFY_TOKENS)
-        out, t = [], MIN_VERIFY_TOKENS
-        while t <= top:
+        top, out, t = self.draft_max + 1, [], MIN_VERIFY_TOKENS
+        while 2 * t <= top:
             out.append(t)
             t *= 2
-        return out
+        return [*out, top]
 
     def draft(self, index: NgramIndex, tokens: list[int], room: int, n_max: int, n_min: int) -> list[int]:
         """A sequence's draft from its n-gram index: at most `room` tokens (what the context and the

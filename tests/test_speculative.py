@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -55,8 +57,10 @@ def test_the_index_grows_with_the_sequence_and_never_matches_itself():
 
 def test_limits_and_buckets():
     spec = Speculation("ngram-simple", draft_max=16, draft_min=2)
-    assert spec.verify_buckets() == [4, 8, 16, 32]
+    assert spec.verify_buckets() == [4, 8, 17]  # 1 + draft_max: a draft as long as allowed fits exactly
     assert Speculation("ngram-simple", draft_max=3).verify_buckets() == [4]
+    assert Speculation("ngram-simple", draft_max=7).verify_buckets() == [4, 8]
+    assert Speculation("ngram-simple", draft_max=1).verify_buckets() == [2]
     assert Speculation().verify_buckets() == [] and not Speculation().on
     assert spec.limits(-1, -1) == (16, 2)  # the server's
     assert spec.limits(40, 1) == (16, 1)  # never past --draft-max: it sizes the programs
@@ -297,6 +301,30 @@ def engines(tmp_path_factory):
     spec = Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False, speculation=SPEC)
     spec.warmup()  # the verify programs: a step verifies only with its program compiled
     return plain, spec
+
+
+def test_verify_programs_past_the_smallest_window_compile_when_a_step_first_wants_them(tmp_path):
+    """Not at start (they would keep a small CPU busy for minutes), and never on the request path: the
+    step that wants one runs as a plain decode while it compiles on its own thread."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", n_layer=1)
+    engine = Engine.load(path, verified=True, n_ctx=1024, max_seqs=2, warmup=False, speculation=SPEC)
+    table, runner = engine.programs, engine.runner
+    on_demand = [k for k in table.keys() if table.on_demand(k)]
+    assert on_demand and {k[0][:6] for k in on_demand} == {"verify"}
+    assert {k[2] for k in on_demand} == {table.verify_window(w) for w in (512, 1024)}
+    background = table.background_order({})
+    assert not set(on_demand) & set(background)
+    assert {k for k in table.keys() if k[0].startswith("vselect")} <= set(background)  # small: all at start
+    seq = SimpleNamespace(n_computed=300, request=SimpleNamespace(params=SamplingParams(), constraint=None))
+    wanted = ("verify4", 1, table.verify_window(300))
+    assert table.on_demand(wanted) and wanted not in engine.compiled.ready
+    assert not runner.can_verify(1, 4, [seq])  # not compiled: a plain step, and it is queued
+    deadline = time.monotonic() + 600
+    while not runner.can_verify(1, 4, [seq]):
+        assert time.monotonic() < deadline, "the queued verify program never compiled"
+        time.sleep(0.2)
+    assert wanted in engine.compiled.ready and ("vselect4", 1, 0) in engine.compiled.ready
+    assert ("verify4", 2, table.verify_window(300)) not in engine.compiled.ready  # only what was wanted
 
 
 def _prompt(i: int) -> list[int]:
