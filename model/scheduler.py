@@ -67,7 +67,7 @@ from model.messages import (
     StepOutput,
 )
 from model.pages import ROOT_DIGEST, PagePool, chain_digest, page_digests
-from model.speculative import MAX_VERIFY_ROWS, NgramIndex, Speculation
+from model.speculative import MAX_VERIFY_ROWS, DraftCosts, NgramIndex, Speculation, acceptance
 
 
 @dataclass(eq=False)
@@ -89,6 +89,7 @@ class Sequence:
     ngrams: NgramIndex | None = None  # its drafts' index (speculation on)
     draft_n: int = 0  # drafted tokens verified
     draft_accepted: int = 0  # of those, kept
+    draft_rejects: int = 0  # drafts that ended at a rejected token
 
     @property
     def target(self) -> int:
@@ -163,6 +164,7 @@ class Scheduler:
         self.speculation = speculation if speculation is not None and speculation.on else None
         self.verify_buckets = self.speculation.verify_buckets() if self.speculation else []
         self.spec_steps = self.spec_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.draft_costs = DraftCosts()  # whether a verify step pays, learned from the steps' times
         self.lookahead = lookahead
         self._ahead: Step | None = None  # the step dispatched ahead, its tokens not read yet
         self.lookahead_steps = 0  # steps dispatched ahead
@@ -279,16 +281,22 @@ class Scheduler:
         # 3. decode one token for every sequence past its prompt, or take the step already in flight;
         # with lookahead, dispatch the next one before reading this one
         step, self._ahead = self._ahead, None
+        timed = self.speculation is not None and step is None and budget == self.prefill_budget
+        t0 = time.perf_counter()
         if step is None:
             rows = self._reserve([s for s in self.running if not s.prefilling])
             drafted = self._drafts(rows) if self.speculation and rows else None
             if drafted is not None:
                 self._verify(rows, *drafted, it)
+                if timed:  # nothing else ran in this iteration: the step's own time
+                    self.draft_costs.record_verify(drafted[1], len(rows), time.perf_counter() - t0)
                 return it
             step = self._dispatch(rows) if rows else None
         if step is not None:
             ahead = self._look_ahead() if self.lookahead else None
             self._read(step, it)
+            if timed and ahead is None:
+                self.draft_costs.record_decode(len(step.rows), time.perf_counter() - t0)
             if ahead is not None and all(seq in self.running for seq in ahead.rows):
                 self._count(ahead.rows)
                 self._ahead = ahead
@@ -365,8 +373,8 @@ class Scheduler:
 
     def _drafts(self, rows: list[Sequence]) -> tuple[list[list[int]], int] | None:
         """Each row's draft (maybe empty), cut to what its limits, the context and the free pages
-        allow, and the verify bucket holding them; None when no row has one or no verify program fits
-        (a plain decode step)."""
+        allow and to the bucket that `draft_costs` finds worth it, and the verify bucket holding them;
+        None when no row has one, decoding yields more, or no verify program fits (a plain decode step)."""
         spec = self.speculation
         if len(rows) > MAX_VERIFY_ROWS:
             return None
@@ -384,15 +392,22 @@ class Scheduler:
             drafts.append(draft)
         if not any(drafts):
             return None
+        p = [acceptance(s.draft_accepted, s.draft_rejects) for s in rows]
+        chosen = self.draft_costs.choose(drafts, p, self.verify_buckets)
+        if chosen is None:  # a plain decode step yields more
+            return None
         free = self.pool.available() - self.pool.cached  # drafts never evict a cached prefix
         for seq, draft in zip(rows, drafts, strict=True):
             have = len(seq.pages) * self.page_size - seq.n_computed - 1  # cells past the next token's
-            need = -(-(len(draft) - have) // self.page_size) if len(draft) > have else 0
+            want = min(len(draft), chosen - 1)
+            need = -(-(want - have) // self.page_size) if want > have else 0
             take = min(need, free)
             if take:
                 seq.pages += self.pool.take(take)
                 free -= take
-            del draft[max(0, have + take * self.page_size):]
+            del draft[max(0, min(chosen - 1, have + take * self.page_size)):]
+            if len(draft) < spec.limits(seq.request.params.spec_n_max, seq.request.params.spec_n_min)[1]:
+                draft.clear()  # cut below the request's n_min
         longest = max(len(d) for d in drafts)
         if longest == 0:
             return None
@@ -414,6 +429,7 @@ class Scheduler:
                 accepted = j < len(draft) and token == draft[j]
                 kept += accepted
                 seq.draft_accepted += accepted
+                seq.draft_rejects += j < len(draft) and not accepted
                 out = self._push(seq, token, logprob, top)
                 it.outputs.append((seq.task, out))
                 if out.finish_reason is not None:

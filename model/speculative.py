@@ -121,3 +121,64 @@ class NgramIndex:
             return []
         end = self._end.get(tuple(tokens[length - n:]))
         return [] if end is None else tokens[end:end + m]
+
+
+def expected_kept(p: float, k: int) -> float:
+    """The draft tokens a verify step keeps on average from a draft of k whose every token, given the
+    ones before it were kept, is kept with probability p: p + p^2 + ... + p^k."""
+    return k if p >= 1.0 else p * (1.0 - p ** k) / (1.0 - p)
+
+
+def acceptance(kept: int, rejected: int) -> float:
+    """A sequence's estimate of p from its own drafts so far: the tokens kept over the tokens tried (kept,
+    plus one per draft that ended at a rejection), with one of each assumed before any (0.5 at first)."""
+    return (kept + 1) / (kept + rejected + 2)
+
+
+class DraftCosts:
+    """Whether a verify step is worth it, from what the steps themselves cost.
+
+    A decode step of n rows yields n tokens; a verify step of n rows of T tokens yields n plus the drafts'
+    kept tokens and costs r(T, n) decode steps, measured here as the engine runs (on a 2-vCPU CPU a
+    17-token verify of one row costs about 4 decode steps; on a GPU, near 1). `choose` takes the bucket
+    with the most tokens per decode-step cost, or none when decoding yields more: on a CPU a draft
+    must be likely to pay for itself, a long one likelier still. A shape not measured yet counts as
+    costing one decode step, so it is tried once and known from then on.
+    """
+
+    EMA = 0.2  # weight of the newest measurement
+
+    def __init__(self, fixed_ratio: float | None = None):
+        self.fixed_ratio = fixed_ratio  # tests: every verify step costs this many decode steps
+        self.decode_s: dict[int, float] = {}  # by rows
+        self.verify_s: dict[tuple[int, int], float] = {}  # by (tokens a row, rows)
+
+    def _record(self, table: dict, key, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.EMA * (seconds - old)
+
+    def record_decode(self, rows: int, seconds: float) -> None:
+        self._record(self.decode_s, rows, seconds)
+
+    def record_verify(self, tokens: int, rows: int, seconds: float) -> None:
+        self._record(self.verify_s, (tokens, rows), seconds)
+
+    def ratio(self, tokens: int, rows: int) -> float:
+        if self.fixed_ratio is not None:
+            return self.fixed_ratio
+        v, d = self.verify_s.get((tokens, rows)), self.decode_s.get(rows)
+        return 1.0 if v is None or d is None else v / d
+
+    def choose(self, drafts: list[list[int]], p: list[float], buckets: list[int]) -> int | None:
+        """The verify bucket for these rows' drafts (each row's kept-token probability in `p`), or None
+        for a plain decode step. A draft longer than T - 1 is cut to it."""
+        n = len(drafts)
+        best, best_rate = None, float(n)  # a decode step: n tokens for one step's cost
+        for t in buckets:
+            gain = sum(expected_kept(q, min(len(d), t - 1)) for d, q in zip(drafts, p, strict=True))
+            rate = (n + gain) / self.ratio(t, n)
+            if rate > best_rate:
+                best, best_rate = t, rate
+            if t - 1 >= max(len(d) for d in drafts):
+                break  # a larger bucket holds no more of the drafts
+        return best

@@ -28,7 +28,7 @@ from model.engine import Engine
 from model.messages import FinishReason, GenerateRequest, SamplingParams
 from model.pages import PagePool
 from model.scheduler import Scheduler
-from model.speculative import NgramIndex, Speculation, spec_type_refusal
+from model.speculative import DraftCosts, NgramIndex, Speculation, acceptance, expected_kept, spec_type_refusal
 
 # --- drafts -----------------------------------------------------------------------------------------
 
@@ -83,6 +83,29 @@ def test_a_draft_is_cut_to_the_room_and_the_limits_and_dropped_below_n_min():
     assert draft(10, n_max=3) == [3, 4, 5] and draft(0) == [] and draft(10, n_max=0) == []
     assert draft(2, n_min=3) == [] and draft(3, n_min=3) == [3, 4, 5]  # shorter than n_min: none
     assert Speculation("ngram-simple", ngram_n=2, ngram_m=2).draft(NgramIndex(2), tokens, 10, -1, -1) == [3, 4]
+
+
+def test_a_verify_step_is_chosen_when_it_yields_more_tokens_per_decode_steps_cost():
+    assert expected_kept(0.5, 3) == 0.5 + 0.25 + 0.125 and expected_kept(1.0, 5) == 5
+    assert acceptance(0, 0) == 0.5 and acceptance(9, 1) == 10 / 12
+    costs, buckets = DraftCosts(), [4, 8, 17]
+    sixteen = [[7] * 16]
+    assert costs.choose(sixteen, [0.5], buckets) == 17  # nothing measured yet: tried as if it cost a decode step
+    costs.record_decode(1, 0.030)
+    for t, seconds in ((4, 0.048), (8, 0.070), (17, 0.124)):  # SmolLM2 on 2 vCPUs (bench/speculative.py)
+        costs.record_verify(t, 1, seconds)
+    assert costs.choose(sixteen, [0.5], buckets) == 4  # 1.875 tokens for 1.6 steps beats 2 for 4.1
+    assert costs.choose(sixteen, [0.3], buckets) is None  # 1.4 tokens for 1.6 steps: decoding yields more
+    assert costs.choose(sixteen, [0.97], buckets) == 17  # a draft kept through: the long step pays
+    assert costs.choose([[7, 7]], [0.97], buckets) == 4  # no bucket larger than the drafts need
+    costs.record_verify(4, 1, 0.078)  # measurements move the estimate (EMA 0.2): 0.048 -> 0.054
+    assert abs(costs.verify_s[(4, 1)] - 0.054) < 1e-9
+    # four rows, one drafting: the whole batch pays for its verify step
+    costs.record_decode(4, 0.054)
+    costs.record_verify(4, 4, 0.111)
+    assert costs.choose([[7] * 3, [], [], []], [0.9, 0.5, 0.5, 0.5], [4]) is None
+    assert costs.choose([[7] * 3] * 4, [0.9] * 4, [4]) == 4
+    assert DraftCosts(fixed_ratio=1.0).choose([[1]], [0.01], buckets) == 4
 
 
 def test_other_spec_types_are_refused_by_name():
@@ -193,7 +216,9 @@ def make(*, n_pages: int = 64, page_size: int = 4, max_seqs: int = 4, n_ctx: int
     pool = PagePool(n_pages, page_size)
     runner = SpecRunner(pool)
     spec = spec or Speculation("ngram-simple", ngram_n=2, draft_max=6)
-    return Scheduler(runner, pool, max_seqs=max_seqs, n_ctx=n_ctx, prefill_budget=64, speculation=spec), runner
+    sched = Scheduler(runner, pool, max_seqs=max_seqs, n_ctx=n_ctx, prefill_budget=64, speculation=spec)
+    sched.draft_costs = DraftCosts(fixed_ratio=1.0)  # every draft worth a verify: the steps below are the drafts'
+    return sched, runner
 
 
 def add(sched: Scheduler, prompt: list[int], max_tokens: int = 40, eog_ids=(), **kw) -> int:
@@ -280,6 +305,41 @@ def test_kept_pages_reach_the_prefix_cache_and_rejected_cells_never_do():
     assert tokens(outs[b]) == reference(longer, 10)
 
 
+def test_drafts_that_do_not_pay_are_not_verified_and_long_ones_are_cut_to_what_pays():
+    costs = DraftCosts()
+    costs.record_decode(1, 1.0)
+    costs.record_verify(4, 1, 1.5)
+    costs.record_verify(9, 1, 6.0)  # buckets 4 and 9 (draft_max 8): only a 3-token draft can pay
+    spec = Speculation("ngram-simple", ngram_n=2, draft_max=8)
+    sched, runner = make(spec=spec)
+    sched.draft_costs = costs
+    sched.iterate = _untimed(sched)
+    task = add(sched, [1, 2, 3, 1, 2], max_tokens=40)
+    outs, _ = drain(sched)
+    assert tokens(outs[task]) == reference([1, 2, 3, 1, 2], 40)
+    assert runner.verifies and max(max(v) for v in runner.verifies) <= 3
+    costs.verify_s[(4, 1)] = 1e9  # no bucket pays
+    sched, runner = make(spec=spec)
+    sched.draft_costs = costs
+    sched.iterate = _untimed(sched)
+    task = add(sched, [1, 2, 3, 1, 2], max_tokens=40)
+    outs, _ = drain(sched)
+    assert tokens(outs[task]) == reference([1, 2, 3, 1, 2], 40) and not runner.verifies
+
+
+def _untimed(sched):
+    """The scheduler's iterate without its own step timings (a pure-Python step's time says nothing)."""
+    costs, iterate = sched.draft_costs, sched.iterate
+
+    def run():
+        saved = dict(costs.decode_s), dict(costs.verify_s)
+        try:
+            return iterate()
+        finally:
+            costs.decode_s, costs.verify_s = saved
+    return run
+
+
 def test_without_speculation_no_verify_step_runs():
     pool = PagePool(64, 4)
     runner = SpecRunner(pool)
@@ -300,6 +360,7 @@ def engines(tmp_path_factory):
     plain = Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False)
     spec = Engine.load(path, verified=True, n_ctx=256, max_seqs=2, warmup=False, speculation=SPEC)
     spec.warmup()  # the verify programs: a step verifies only with its program compiled
+    spec.scheduler.draft_costs = DraftCosts(fixed_ratio=1.0)  # every draft verified, whatever the steps cost
     return plain, spec
 
 
