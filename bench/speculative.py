@@ -18,8 +18,9 @@ streamed) and temperature (0, and 0.8 with a seed per client): the aggregate com
 ours learn what its steps cost), and the drafts (timings.draft_n and draft_n_accepted, both servers
 report them).
 Greedy answers of ours with speculation are compared with ours without: speculation must not change them
-(`same_text_as_plain`). Each server runs alone on the box: ours plain, ours speculating, llama-server
-plain, llama-server speculating, one after another.
+(`same_text_as_plain`). The four servers (ours plain, ours speculating, llama-server plain, llama-server
+speculating) are up together, idle but for the one answering: each cell's runs go round them in turn, so a
+drift of a shared machine's speed falls on all four alike.
 Ours waits for its background compile (the verify programs included) before it is measured; the time
 it took is reported (`background_compile`). `step_costs`: on the engine alone, before any server, a
 decode step against verify steps of each bucket (what makes a draft worth verifying on this machine).
@@ -35,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,21 +132,27 @@ def bodies(workload: str, n: int, temp: float, tokens: int) -> list[dict]:
     return out
 
 
-def measure(base: str, args, who: str) -> dict:
-    """Every (workload, clients, temperature) cell on one server: --repeat runs each, and the texts of the
-    last run (for the greedy comparison)."""
-    asyncio.run(_clients(base, bodies("chat", 1, 0.0, 8)))  # the first answer pays for nothing measured
-    out: dict = {}
+def measure(servers: dict[str, str], args) -> dict[str, dict]:
+    """Every (workload, clients, temperature) cell on every server, interleaved: for each cell one
+    unmeasured run on each server, then --repeat rounds of one run on each, so a drift of the shared
+    box's speed falls on all servers alike. Each server's cells, with the texts of its last run."""
+    for base in servers.values():
+        asyncio.run(_clients(base, bodies("chat", 1, 0.0, 8)))  # the first answer pays for nothing measured
+    out: dict[str, dict] = {name: {} for name in servers}
     for workload in args.workloads:
         for n in args.clients:
             for temp in args.temps:
-                runs = [asyncio.run(_clients(base, bodies(workload, n, temp, args.tokens)))
-                        for _ in range(1 + args.repeat)][1:]  # the first: compiles what it needs, learns costs
-                cell = summarize(runs)
                 key = f"{workload}/{n}/{temp:g}"
-                out[key] = cell
-                print(f"{who} {key}: {cell.get('tokens_per_s_median')} tok/s, accepted "
-                      f"{cell.get('draft_n_accepted')}/{cell.get('draft_n')}", file=sys.stderr, flush=True)
+                runs: dict[str, list] = {name: [] for name in servers}
+                for round_ in range(1 + args.repeat):  # round 0: compiles what the cell needs, learns costs
+                    for name, base in servers.items():
+                        answers = asyncio.run(_clients(base, bodies(workload, n, temp, args.tokens)))
+                        if round_:
+                            runs[name].append(answers)
+                for name in servers:
+                    cell = out[name][key] = summarize(runs[name])
+                    print(f"{name} {key}: {cell.get('tokens_per_s_median')} tok/s, accepted "
+                          f"{cell.get('draft_n_accepted')}/{cell.get('draft_n')}", file=sys.stderr, flush=True)
     return out
 
 
@@ -168,41 +176,27 @@ def summarize(runs: list[list[dict]]) -> dict:
     return out
 
 
-def run_ours(args, model: Path, fork: Path, spec: bool) -> dict:
+def start_ours(args, model: Path, fork: Path, spec: bool, tmp: Path, stack: ExitStack) -> tuple[str, dict]:
     n = max(args.clients)
-    with tempfile.TemporaryDirectory(prefix="bankml-spec-") as tmp:
-        config = Path(tmp) / "spec.toml"
-        config.write_text(f"[engine]\nmax_seqs = {n}\n")
-        extra = ["--spec-type", "ngram-simple"] if spec else []
-        t0 = time.perf_counter()
-        server = CliServer(["bankml"], str(model), "--fork", str(fork), "--ctx", str(args.ctx), "--config",
-                           str(config), *extra, timeout_s=args.start_timeout)
-        try:
-            out = {"args": extra, "config": config.read_text(), "startup_s": round(time.perf_counter() - t0, 1),
-                   "background_compile": wait_compiled(server, args.start_timeout)}
-            out["cells"] = measure(server.url(), args, "ours" + (" spec" if spec else ""))
-        except Exception:
-            print(server.log()[-4000:], file=sys.stderr)
-            raise
-        finally:
-            server.stop()
-    return out
+    config = tmp / "spec.toml"
+    config.write_text(f"[engine]\nmax_seqs = {n}\n")
+    extra = ["--spec-type", "ngram-simple"] if spec else []
+    t0 = time.perf_counter()
+    server = CliServer(["bankml"], str(model), "--fork", str(fork), "--ctx", str(args.ctx), "--config",
+                       str(config), *extra, timeout_s=args.start_timeout)
+    stack.callback(server.stop)
+    info = {"args": extra, "config": config.read_text(), "startup_s": round(time.perf_counter() - t0, 1),
+            "background_compile": wait_compiled(server, args.start_timeout)}  # before the next server starts
+    return server.url(), info
 
 
-def run_llama(args, model: Path, spec: bool) -> dict:
-    try:
-        binary = llama_binary(args.llama_bin)
-    except RuntimeError as e:
-        return {"skipped": str(e)}
+def start_llama(args, model: Path, spec: bool, stack: ExitStack) -> tuple[str, dict]:
     extra = args.llama_args.split() + (["--spec-type", "ngram-simple"] if spec else [])
     n = max(args.clients)
-    server = LlamaServer(binary, model, n, args.ctx, args.threads, extra)
-    try:
-        return {"args": ["-np", str(n), "-c", str(n * args.ctx), "-t", str(args.threads), *extra],
-                "startup_s": round(server.startup_s, 2), "cells": measure(server.url(), args,
-                                                                          "llama-server" + (" spec" if spec else ""))}
-    finally:
-        server.close()
+    server = LlamaServer(llama_binary(args.llama_bin), model, n, args.ctx, args.threads, extra)
+    stack.callback(server.close)
+    return server.url(), {"args": ["-np", str(n), "-c", str(n * args.ctx), "-t", str(args.threads), *extra],
+                          "startup_s": round(server.startup_s, 2)}
 
 
 def step_costs(model: Path, batches: list[int], reps: int = 20) -> dict:
@@ -315,11 +309,20 @@ def main() -> int:
                                                    "draft-max 16, draft-min 0) on both sides"}
     if not args.no_step_costs:
         result["step_costs"] = step_costs(model, sorted({1, *args.clients}))
-    result["ours"] = run_ours(args, model, fork, spec=False)
-    result["ours_spec"] = run_ours(args, model, fork, spec=True)
-    if not args.no_llama:
-        result["llama_server"] = run_llama(args, model, spec=False)
-        result["llama_server_spec"] = run_llama(args, model, spec=True)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bankml-spec-") as tmp:
+        servers = {}
+        for name, spec in (("ours", False), ("ours_spec", True)):
+            (Path(tmp) / name).mkdir()
+            servers[name], result[name] = start_ours(args, model, fork, spec, Path(tmp) / name, stack)
+        if not args.no_llama:
+            try:
+                for name, spec in (("llama_server", False), ("llama_server_spec", True)):
+                    servers[name], result[name] = start_llama(args, model, spec, stack)
+            except RuntimeError as e:
+                result["llama_server"] = {"skipped": str(e)}
+                servers = {k: v for k, v in servers.items() if k.startswith("ours")}
+        for name, cells in measure(servers, args).items():
+            result[name]["cells"] = cells
     result["compare"] = compare(result)
     result["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
     text = json.dumps(result, indent=1)

@@ -233,7 +233,11 @@ class ProgramCache:
                         return
                     key = cache._soon[0]
                 try:
+                    t0 = time.perf_counter()
                     cache.get(*key)
+                    log.info("compiled %s %d x %d (window %d pages) when a step first wanted it, in %.1f s",
+                             key[0], key[1], key[0].removeprefix("verify").removeprefix("vselect") or 1, key[2],
+                             time.perf_counter() - t0)
                 except Exception:
                     log.exception("compiling %s failed; a later step asks again", key)
                 with cache._lock:
