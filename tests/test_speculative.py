@@ -28,7 +28,14 @@ from model.engine import Engine
 from model.messages import FinishReason, GenerateRequest, SamplingParams
 from model.pages import PagePool
 from model.scheduler import Scheduler
-from model.speculative import DraftCosts, NgramIndex, Speculation, acceptance, expected_kept, spec_type_refusal
+from model.speculative import (
+    DraftCosts,
+    NgramIndex,
+    Speculation,
+    acceptance,
+    expected_kept,
+    spec_type_refusal,
+)
 
 # --- drafts -----------------------------------------------------------------------------------------
 
