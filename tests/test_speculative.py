@@ -430,10 +430,10 @@ class OracleDrafts:
 
 @pytest.fixture
 def oracle(monkeypatch):
-    import model.scheduler
+    import model.spec_steps
 
     OracleDrafts.answers = {}
-    monkeypatch.setattr(model.scheduler, "NgramIndex", OracleDrafts)
+    monkeypatch.setattr(model.spec_steps, "NgramIndex", OracleDrafts)
     return OracleDrafts.answers
 
 
@@ -540,14 +540,14 @@ def test_the_sampled_distribution_with_drafts_is_the_targets(engines, monkeypatc
     tokens come from a verify step (the second at a draft position when the first is the draft). The
     joint frequencies of those two, given a, match the target's own probabilities at temperature 1,
     top-k 4 (a chi-square test at the 0.999 level)."""
-    import model.scheduler
+    import model.spec_steps
 
     _, spec = engines
     prompt = _prompt(9)
     firsts = _chain_probs(spec, prompt)
     LikelyDrafts.prompt = prompt
     LikelyDrafts.after = {a: max(_chain_probs(spec, prompt + [a]).items(), key=lambda kv: kv[1])[0] for a in firsts}
-    monkeypatch.setattr(model.scheduler, "NgramIndex", LikelyDrafts)
+    monkeypatch.setattr(model.spec_steps, "NgramIndex", LikelyDrafts)
     n = 480
     params = [SamplingParams(temperature=1.0, top_k=4, top_p=1.0, min_p=0.0, seed=s, max_tokens=3) for s in range(n)]
     before = spec.stats()
