@@ -17,13 +17,12 @@ decode step's cost, as the engine's own step times and each answer's record of k
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
+from model.messages import Iteration
 from model.speculative import MAX_VERIFY_ROWS, NgramIndex, acceptance
 
-if TYPE_CHECKING:
-    from model.messages import Iteration
-    from model.scheduler import Sequence
+Sequence = Any  # model/scheduler.py's Sequence, which imports this module
 
 
 class SpeculativeSteps:

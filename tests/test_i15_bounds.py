@@ -6,6 +6,7 @@ never half-submitted. Each test fails without the bound it covers."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -55,7 +56,12 @@ def test_an_empty_list_and_a_token_list_are_one_prompt_each_not_a_count(server):
 
 def test_submit_all_queues_all_or_none():
     """The engine's queue takes a request's sequences together or refuses them together."""
-    thread = EngineThread(name="bounds15", max_waiting=2)  # no engine: nothing runs, everything waits
+    thread = EngineThread(name="bounds15", max_waiting=2)
+    # the thread busy with a call: what is submitted stays queued (with no engine it would answer the jobs
+    # "no model is loaded" as soon as it took them, and free their room)
+    started, gate = threading.Event(), threading.Event()
+    thread.call(lambda: (started.set(), gate.wait(60)))
+    assert started.wait(30)
     try:
         def req(i: int) -> GenerateRequest:
             return GenerateRequest([1, 2], SamplingParams(), request_id=f"r{i}")
@@ -69,6 +75,7 @@ def test_submit_all_queues_all_or_none():
         with pytest.raises(Overloaded):
             thread.submit(req(9), seen.append)
     finally:
+        gate.set()
         thread.stop()
 
 
