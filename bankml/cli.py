@@ -52,6 +52,7 @@ commands:
                [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
                [--chat-template-file FILE] [--receipt-key FILE] [--spec-type ngram-simple]
                [--spec-ngram-size-n N] [--spec-ngram-size-m M] [--draft-max N] [--draft-min N]
+               [--tensor-parallel N]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml receipt verify FILE [--key PUB]
@@ -234,6 +235,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-draft", "-md", metavar="FILE",
                    help="refused: a draft model is not in bankML yet (n-gram drafts are: --spec-type ngram-simple)")
     p.add_argument("--fork-draft", metavar="F", help="refused, as --model-draft")
+    p.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", metavar="N", dest="tensor_parallel",
+                   type=_positive_int,
+                   help="--native: split the model over N devices of the platform: attention heads, FFN columns, "
+                        "vocabulary and KV pool ([engine] tensor_parallel; 1). On a CPU, "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices")
     p.add_argument("--slot-dir", "--slot-save-path", metavar="DIR", dest="slot_dir", help="slot files: POST /slots/{id}?action=save|restore|erase "
                    "(made if missing; P0 passes it to llama-server as --slot-save-path)")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
@@ -267,7 +273,7 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          receipt_key=args.receipt_key, spec_type=args.spec_type,
                          spec_ngram_size_n=args.spec_ngram_size_n, spec_ngram_size_m=args.spec_ngram_size_m,
                          draft_max=args.draft_max, draft_min=args.draft_min, model_draft=args.model_draft,
-                         fork_draft=args.fork_draft)
+                         fork_draft=args.fork_draft, tensor_parallel=args.tensor_parallel)
 
 
 # --- the model and its pin ---------------------------------------------------------------------

@@ -107,6 +107,9 @@ class EngineConfig:
     spec_ngram_size_m: int = 48
     draft_max: int = 16
     draft_min: int = 0
+    # split the model over this many devices of the platform (model/parallel.py; --tensor-parallel, vLLM's
+    # --tensor-parallel-size): heads and FFN columns, the vocabulary and the KV pool; 1: one device
+    tensor_parallel: int = 1
 
     @property
     def speculation(self) -> Speculation:
@@ -232,6 +235,7 @@ _CHECKS = {
     "engine.spec_ngram_size_m": _positive,
     "engine.draft_max": _draft_max,
     "engine.draft_min": _not_negative,
+    "engine.tensor_parallel": _positive,
     "registry.max_loaded": _positive,
 }
 
@@ -398,7 +402,7 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   receipt_key: str | None = None, spec_type: str | None = None,
                   spec_ngram_size_n: int | None = None, spec_ngram_size_m: int | None = None,
                   draft_max: int | None = None, draft_min: int | None = None, model_draft: str | None = None,
-                  fork_draft: str | None = None) -> ServeOptions:
+                  fork_draft: str | None = None, tensor_parallel: int | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
     --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
@@ -436,8 +440,15 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                                ("--draft-max", draft_max, _draft_max), ("--draft-min", draft_min, _not_negative)):
         if value is not None:
             check(value, flag)
+    if tensor_parallel is not None:
+        _positive(tensor_parallel, "--tensor-parallel")
+    split = tensor_parallel if tensor_parallel is not None else config.engine.tensor_parallel
+    if split > 1 and not native:
+        raise ConfigInvalid(f"--tensor-parallel {split} / [engine] tensor_parallel: bankML's own engine splits a model "
+                            "over devices (--native); P0's llama-server splits with its own flags (--split-mode, "
+                            "--tensor-split)")
     drafts = {"spec_type": spec_type, "spec_ngram_size_n": spec_ngram_size_n, "spec_ngram_size_m": spec_ngram_size_m,
-              "draft_max": draft_max, "draft_min": draft_min}
+              "draft_max": draft_max, "draft_min": draft_min, "tensor_parallel": tensor_parallel}
     engine = replace(config.engine, **{k: v for k, v in drafts.items() if v is not None})
     chosen_slot_dir = slot_dir or s.slot_dir or None
     if chosen_slot_dir:  # made now, as llama-server's --slot-save-path is: a typo is refused at start

@@ -200,7 +200,7 @@ def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False
                                       compile_cache_dir=compile_cache_path(engine.compile_cache_dir),
                                       kv_cache_bytes=engine.kv_cache_bytes, page_size=engine.page_size,
                                       whole_contexts=whole_contexts, cache_type=engine.cache_type,
-                                      speculation=engine.speculation)
+                                      speculation=engine.speculation, tensor_parallel=engine.tensor_parallel)
         loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
         return loaded, backend
 

@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from model.config import Config
 from model.forward import _attention, _layer, embed, rms_norm
+from model.parallel import AXIS, Parallel, weight_specs
 from model.pooling import (
     POOLING_CLS,
     POOLING_LAST,
@@ -62,10 +64,23 @@ def _pow2_at_least(n: int, floor: int) -> int:
 def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, config: Config, pooling: int,
                   cache_type: str) -> jax.Array:
     """tokens [B, T] (row b's first n_real[b] real, right-padded) -> pooled [B, D], or [B, T, D] for
-    pooling none: the output norm's result (llama.cpp's t_embd), f32."""
+    pooling none: the output norm's result (llama.cpp's t_embd), f32. Weights split over a mesh
+    (model/parallel.py) run each device's share under `shard_map`, as model/forward.py does."""
+    tp = weights.parallel
+    if tp is None:
+        return _embed_forward(weights, tokens, n_real, config, pooling, cache_type, None)
+    return jax.shard_map(partial(_embed_forward, config=tp.local_config(config), pooling=pooling,
+                                 cache_type=cache_type, tp=tp),
+                         mesh=tp.mesh, in_specs=(weight_specs(weights), P(), P()), out_specs=P(),
+                         check_vma=False)(weights, tokens, n_real)
+
+
+def _embed_forward(weights: Weights, tokens, n_real, config: Config, pooling: int, cache_type: str,
+                   tp: Parallel | None):
+    reduce = None if tp is None else partial(lax.psum, axis_name=AXIS)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-    x = embed(weights, tokens, config)  # [B, T, D]
+    x = embed(weights, tokens, config, tp)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
     starts = jnp.zeros(b, jnp.int32)
 
@@ -77,11 +92,13 @@ def embed_forward(weights: Weights, tokens: jax.Array, n_real: jax.Array, *, con
     if isinstance(weights.layers, tuple):  # device layout: one layer after another
         for il, lw in enumerate(weights.layers):
             swa = bool(config.swa_layers[il])
-            x, _, _ = _layer(x, lw, None, swa, attend_with(jnp.asarray(swa)), ropes, config, cache_type)
+            x, _, _ = _layer(x, lw, None, swa, attend_with(jnp.asarray(swa)), ropes, config, cache_type,
+                             reduce)
     else:
         def body(x, xs):
             layer_swa, il = xs
-            x, _, _ = _layer(x, weights.layers, il, layer_swa, attend_with(layer_swa), ropes, config, cache_type)
+            x, _, _ = _layer(x, weights.layers, il, layer_swa, attend_with(layer_swa), ropes, config, cache_type,
+                             reduce)
             return x, None
 
         x, _ = lax.scan(body, x, (jnp.asarray(config.swa_layers, dtype=bool), jnp.arange(config.n_layer)))

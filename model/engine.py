@@ -28,6 +28,7 @@ bind sooner compiles `warmup(essential=True)` (what first short requests need), 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -102,7 +103,8 @@ class Engine:
         self.speculation = speculation if speculation is not None else Speculation()
         self.programs = ProgramTable(n_ctx, prefill_chunk, page_size, max_seqs,  # every shape a step takes
                                      verify_tokens=tuple(self.speculation.verify_buckets()))
-        pool, history = init_pool(config, n_pages, page_size, cache_type), empty_history(max_seqs, n_ctx)
+        pool = init_pool(config, n_pages, page_size, cache_type, weights.parallel)
+        history = empty_history(max_seqs, n_ctx, weights.parallel)
         self.compiled = ProgramCache(self.programs, config, Specs.of(weights, pool, history),
                                      branchless=jax.default_backend() != "cpu")
         self.runner = Runner(config, weights, tokenizer, self.programs, self.compiled, pool, history,
@@ -146,7 +148,7 @@ class Engine:
              prefill_chunk: int = PREFILL_CHUNK, compile_cache_dir: str | os.PathLike | None = None,
              kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, layout: str | None = None,
              lookahead: bool | None = None, cache_type: str = "f16",
-             speculation: Speculation | None = None) -> Engine:
+             speculation: Speculation | None = None, tensor_parallel: int = 1) -> Engine:
         """Load a GGUF that `bankml.verify.verify` accepted (the caller says so with `verified=True`).
 
         layout: the weights' layout (model/weights.py): "packed" (the CPU default), "dense", or "device"
@@ -162,14 +164,21 @@ class Engine:
         lookahead: dispatch a decode step before reading the last one's tokens (model/scheduler.py);
         default: on a GPU backend.
         speculation: drafts and their verify steps (model/speculative.py); default none.
+        tensor_parallel: split the model over this many devices (model/parallel.py); a model that does
+        not split that many ways, or more devices than the platform has, is refused with the reason. The
+        weights are read into host memory first, then each device gets its share.
         """
         t0 = time.perf_counter()
         if compile_cache_dir is not None:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compile_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        config, weights = load_weights(path, verified=verified, packed=packed, activations=activations,
-                                       layout=layout)
+        if tensor_parallel > 1:
+            config, weights = _load_split(path, tensor_parallel, verified=verified, packed=packed,
+                                          activations=activations, layout=layout)
+        else:
+            config, weights = load_weights(path, verified=verified, packed=packed, activations=activations,
+                                           layout=layout)
         if tokenizer is None:
             from model.tokenizer import Tokenizer
 
@@ -177,7 +186,7 @@ class Engine:
         if why := cache_type_refusal(config, cache_type):
             raise EngineError(why)
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
-                                kv_cache_bytes=kv_cache_bytes, cache_type=cache_type)
+                                kv_cache_bytes=kv_cache_bytes, cache_type=cache_type, parallel=weights.parallel)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                      page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type,
                      speculation=speculation)
@@ -194,7 +203,7 @@ class Engine:
     def weights_report(self) -> dict:
         """What the weights take and which kernels run them: {"layout", "device_bytes", "file_bytes"
         (None unless loaded from a file), "ratio" (device over file bytes), "kernels" (kernels.ops.report
-        for the device layout; the stacked layouts do not go through kernels.ops)}."""
+        for the device layout; the stacked layouts do not go through kernels.ops), "mesh" (`mesh`)}."""
         layout = layout_of(self.weights)
         device = device_bytes(self.weights)
         if layout == "device":
@@ -205,7 +214,22 @@ class Engine:
             kernels = {"all": {"impl": "jnp", "why": f"the {layout} layout: stacked layers under lax.scan"
                                                      f"{' (model/packed.py)' if layout == 'packed' else ''}"}}
         return {"layout": layout, "device_bytes": device, "file_bytes": self.file_bytes,
-                "ratio": round(device / self.file_bytes, 4) if self.file_bytes else None, "kernels": kernels}
+                "ratio": round(device / self.file_bytes, 4) if self.file_bytes else None, "kernels": kernels,
+                "mesh": self.mesh()}
+
+    def mesh(self) -> dict:
+        """The devices the model runs on (model/parallel.py): {"axes": {"tp": N}, "devices", "processes",
+        "kv_heads", "vocabulary", "weight_bytes" and "kv_bytes" per device}; one device: axes tp 1."""
+        from model import parallel
+
+        par = self.weights.parallel
+        if par is None:
+            device = next(iter(jax.tree.leaves(self.weights)[0].devices()))
+            out = {"axes": {parallel.AXIS: 1}, "devices": [f"{device.platform}:{device.id}"], "processes": 1}
+        else:
+            out = par.describe()
+        return {**out, "weight_bytes": parallel.per_device_bytes(self.weights),
+                "kv_bytes": parallel.per_device_bytes(self.pool.arrays)}
 
     def memory_bytes(self) -> int:
         """What the engine holds: its weights' device bytes and its KV pool's (/api/ps "size")."""
@@ -342,11 +366,30 @@ class Engine:
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = tokens
         n_pages = -(-t // self.page_size)
-        scratch = init_pool(self.config, n_pages, self.page_size, self.cache_type)
+        scratch = init_pool(self.config, n_pages, self.page_size, self.cache_type, self.weights.parallel)
         logits, _ = forward(self.weights, scratch, padded, np.arange(n_pages, dtype=np.int32)[None],
                             np.zeros(1, np.int32), np.array([n], np.int32), config=self.config, window_pages=0,
                             all_logits=True)
         return np.asarray(logits[0, :n])
+
+
+def _load_split(path, n: int, **how) -> tuple[Config, Weights]:
+    """load_weights into host memory (the CPU backend), then split over the first n devices."""
+    from model import parallel
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        config, whole = load_weights(path, **how)
+    devices = jax.devices()
+    why = parallel.refusal(config, n, len(devices), devices[0].platform, parallel.row_blocks(whole))
+    if why:
+        raise EngineError(why)
+    plan = parallel.make(config, n, devices)
+    t0 = time.perf_counter()
+    weights = parallel.shard_weights(whole, config, plan)
+    log.info("split the weights %d ways (%s) in %.1f s: %s", n, plan.describe()["kv_heads"] + " KV heads",
+             time.perf_counter() - t0, ", ".join(f"{d} {b / 2**20:.1f} MiB" for d, b in
+                                                 parallel.per_device_bytes(weights).items()))
+    return config, weights
 
 
 def _log_weights(report: dict) -> None:
@@ -365,11 +408,15 @@ def _log_weights(report: dict) -> None:
 
 
 def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, kv_cache_bytes: int = 0,
-                  cache_type: str = "f16") -> int:
+                  cache_type: str = "f16", parallel=None) -> int:
     """The KV pool's pages. kv_cache_bytes > 0: as many as fit in it. 0: on a GPU, 80% of what the
     device's allocator has left after the weights (its limit is memory_fraction of the device); on a
-    CPU (no allocator to ask), `max_seqs` whole contexts. Never fewer than one whole context."""
-    per_page = page_bytes(config, page_size, cache_type)
+    CPU (no allocator to ask), `max_seqs` whole contexts. Never fewer than one whole context.
+    parallel (model/parallel.py): kv_cache_bytes is the whole pool's, every device's share together; a
+    GPU's room is its first device's, each device holding 1/N of every page."""
+    stored = config if parallel is None else dataclasses.replace(config, n_head_kv=parallel.pool_heads(config))
+    per_page = page_bytes(stored, page_size, cache_type)
+    devices = 1 if parallel is None else parallel.n
     one_context = -(-n_ctx // page_size)
     if kv_cache_bytes > 0:
         n = kv_cache_bytes // per_page
@@ -382,5 +429,5 @@ def kv_pool_pages(config: Config, *, n_ctx: int, max_seqs: int, page_size: int, 
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
         left = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return max(one_context, int(0.8 * left) // per_page)
+        return max(one_context, int(0.8 * left) // (per_page // devices))
     return max_seqs * one_context

@@ -537,35 +537,46 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = PAGE_SIZE, cache_type: str = "f16") -> int:
+def whole_contexts_bytes(path: str, *, n_ctx: int, max_seqs: int, page_size: int = PAGE_SIZE, cache_type: str = "f16",
+                         tensor_parallel: int = 1) -> int:
     """The KV pool of `max_seqs` whole contexts for the model at `path` (K and V of every layer, in
     `cache_type`), from its header as the guard reads it: the pool each engine gets when several models
-    share the device."""
+    share the device. Split over `tensor_parallel` devices, a KV head that is not split is stored once
+    per device (model/parallel.py)."""
+    import dataclasses
+
     from bankml.guard import guard_file
     from model.config import Config
     from model.kvcache import page_bytes
 
-    per_page = page_bytes(Config.from_gguf(guard_file(path).metadata), page_size, cache_type)
+    config = Config.from_gguf(guard_file(path).metadata)
+    n = tensor_parallel
+    if n > 1 and config.n_head_kv % n:
+        config = dataclasses.replace(config, n_head_kv=n)
+    per_page = page_bytes(config, page_size, cache_type)
     return max_seqs * -(-n_ctx // page_size) * per_page
 
 
 def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, compile_cache_dir: str | None,
                 kv_cache_bytes: int = 0, page_size: int = PAGE_SIZE, whole_contexts: bool = False,
-                cache_type: str = "f16", speculation: Speculation | None = None) -> tuple[Any, str]:
+                cache_type: str = "f16", speculation: Speculation | None = None,
+                tensor_parallel: int = 1) -> tuple[Any, str]:
     """`Engine.load` on a verified file, unwarmed (the caller warms it and logs the time); call it on the
     engine thread. Returns the engine and a few words on the backend for the receipts' "engine".
     whole_contexts (with kv_cache_bytes 0): a pool of max_seqs whole contexts, not most of the device.
-    speculation: its drafts and verify steps ([engine] spec_type...; model/speculative.py); None: none."""
+    speculation: its drafts and verify steps ([engine] spec_type...; model/speculative.py); None: none.
+    tensor_parallel: the devices the model is split over (model/parallel.py)."""
     import jax
 
     from model.engine import Engine
 
     if whole_contexts and kv_cache_bytes == 0:
         kv_cache_bytes = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
-                                              cache_type=cache_type)
+                                              cache_type=cache_type, tensor_parallel=tensor_parallel)
 
     engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
                          kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type,
-                         speculation=speculation)
-    return engine, f"JAX {jax.__version__} on {jax.default_backend()}"
+                         speculation=speculation, tensor_parallel=tensor_parallel)
+    split = f", split {tensor_parallel} ways" if tensor_parallel > 1 else ""
+    return engine, f"JAX {jax.__version__} on {jax.default_backend()}{split}"

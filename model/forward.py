@@ -29,12 +29,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from kernels import ops
 from model.config import Config
 from model.kvcache import KVPool, as_cached, read_cells, rotate, rotation, write_cells
 from model.packed import Packed, take_rows
 from model.packed import linear as packed_linear
+from model.parallel import AXIS, Parallel, pool_spec, weight_specs
 from model.rope import apply_rope, rope_tables
 from model.weights import Layer, Weights
 
@@ -66,13 +68,23 @@ def _qlinear(x: jax.Array, w, b: jax.Array | None = None) -> jax.Array:
     return y if b is None else y + b
 
 
-def embed(weights: Weights, tokens: jax.Array, config: Config) -> jax.Array:
-    """tokens [B, T] -> [B, T, D] (gemma scales by sqrt(n_embd))."""
+def embed(weights: Weights, tokens: jax.Array, config: Config, tp: Parallel | None = None) -> jax.Array:
+    """tokens [B, T] -> [B, T, D] (gemma scales by sqrt(n_embd)). Under tensor parallelism with the
+    vocabulary split, each device looks up the tokens in its share and one all-reduce adds the rows."""
     table = weights.token_embd
-    if isinstance(weights.layers, tuple):
-        rows = ops.take_rows(table, tokens)
+
+    def lookup(ids):
+        if isinstance(weights.layers, tuple):
+            return ops.take_rows(table, ids)
+        return take_rows(table, ids) if isinstance(table, Packed) else table[ids]
+
+    if tp is not None and tp.vocab_split:
+        n = table.shape[0]  # this device's rows
+        local = tokens - lax.axis_index(AXIS) * n
+        inside = (local >= 0) & (local < n)
+        rows = lax.psum(jnp.where(inside[..., None], lookup(jnp.clip(local, 0, n - 1)), 0.0), AXIS)
     else:
-        rows = take_rows(table, tokens) if isinstance(table, Packed) else table[tokens]
+        rows = lookup(tokens)
     return rows * jnp.float32(config.embd_scale)
 
 
@@ -111,8 +123,11 @@ def _attention(q, k_new, v_new, k_old, v_old, starts, positions, is_swa, config:
     return out.reshape(b, t, config.n_head * dh)
 
 
-def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, cache_type: str):
+def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, cache_type: str, reduce=None):
     """One block; returns (x_out, k_new, v_new). x [B, T, D].
+
+    reduce: under tensor parallelism (model/parallel.py), the all-reduce that sums the row-parallel
+    projections' shares (attention output, FFN down), before their bias and norm; None on one device.
 
     Stacked weights (`il` a traced layer index): matrices stay stacked and are indexed inside their
     matmul (see packed.linear); vectors are indexed here. Device layout (`il` None): `lw` is the one
@@ -156,7 +171,11 @@ def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, cache_type: 
     attended = attend(q, k, v)  # [B, T, H*Dh]
     if rot:
         attended = rotate(attended, rot[1])  # blocks of 64 never cross a head (Dh % 64 == 0)
-    out = lin(attended, lw.attn_output, lw.attn_output_bias)
+    out = lin(attended, lw.attn_output)
+    if reduce is not None:
+        out = reduce(out)
+    if lw.attn_output_bias is not None:
+        out = out + vec(lw.attn_output_bias)
     if config.post_norms:
         out = rms_norm(out, vec(lw.post_attention_norm), eps)
     x = x + out
@@ -165,16 +184,21 @@ def _layer(x, lw: Layer, il, is_swa, attend, ropes, config: Config, cache_type: 
     gate = lin(h, lw.ffn_gate)
     act = jax.nn.gelu(gate, approximate=True) if config.ffn_gelu else jax.nn.silu(gate)
     out = lin(act * lin(h, lw.ffn_up), lw.ffn_down)
+    if reduce is not None:
+        out = reduce(out)
     if config.post_norms:
         out = rms_norm(out, vec(lw.post_ffw_norm), eps)
     return x + out, k, v
 
 
-def output_logits(weights: Weights, x: jax.Array, config: Config) -> jax.Array:
-    """Final norm and LM head: x [..., D] -> logits [..., V]."""
+def output_logits(weights: Weights, x: jax.Array, config: Config, tp: Parallel | None = None) -> jax.Array:
+    """Final norm and LM head: x [..., D] -> logits [..., V] (the vocabulary's shares gathered, under
+    tensor parallelism with it split)."""
     x = rms_norm(x, weights.output_norm, config.norm_eps)
     head = weights.token_embd if weights.output is None else weights.output
     logits = _qlinear(x, head) if isinstance(weights.layers, tuple) else _linear(x, head)
+    if tp is not None and tp.vocab_split:
+        logits = lax.all_gather(logits, AXIS, axis=logits.ndim - 1, tiled=True)
     if config.final_logit_softcap > 0:
         cap = config.final_logit_softcap
         logits = jnp.tanh(logits / cap) * cap
@@ -191,23 +215,43 @@ def forward(weights: Weights, pool: KVPool, tokens: jax.Array, table: jax.Array,
     window_pages: attend to the cells of each row's first `window_pages` pages; they must cover every
     row's start (0: every row starts at position 0 and no cell is read). Returns (logits, pool):
     logits [B, V] at each row's last real token, or [B, T, V] when `all_logits`.
+
+    Weights split over a mesh (`weights.parallel`, model/parallel.py) run each device's share of the
+    layers and of the pool under `jax.shard_map`; the logits come back whole, on every device.
     """
+    tp = weights.parallel
+    if tp is None:
+        return _forward(weights, pool, tokens, table, starts, n_new, config, window_pages, all_logits, None)
+    shares = pool_spec(pool)
+    return jax.shard_map(
+        partial(_forward, config=tp.local_config(config), window_pages=window_pages, all_logits=all_logits, tp=tp),
+        mesh=tp.mesh, in_specs=(weight_specs(weights), shares, P(), P(), P(), P()), out_specs=(P(), shares),
+        check_vma=False)(weights, pool, tokens, table, starts, n_new)
+
+
+def _forward(weights: Weights, pool: KVPool, tokens, table, starts, n_new, config: Config, window_pages: int,
+             all_logits: bool, tp: Parallel | None):
+    """`forward` on one device, or one device's share under `shard_map` (`tp`; `config` its share's)."""
+    reduce = None if tp is None else partial(lax.psum, axis_name=AXIS)
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
-    x = embed(weights, tokens, config)  # [B, T, D]
+    x = embed(weights, tokens, config, tp)  # [B, T, D]
     ropes = rope_tables(config, positions, weights.rope_freqs)
     if isinstance(weights.layers, tuple):
-        x, pool = _unrolled(weights.layers, x, pool, table, starts, positions, n_new, ropes, config, window_pages)
+        x, pool = _unrolled(weights.layers, x, pool, table, starts, positions, n_new, ropes, config, window_pages,
+                            reduce)
     else:
-        x, k_new, v_new = _scanned(weights.layers, x, pool, table, starts, positions, ropes, config, window_pages)
+        x, k_new, v_new = _scanned(weights.layers, x, pool, table, starts, positions, ropes, config, window_pages,
+                                   reduce)
         pool = _write(pool, k_new, v_new, table, positions, n_new)
 
     if all_logits:
-        return output_logits(weights, x, config), pool
+        return output_logits(weights, x, config, tp), pool
     last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, D]
-    return output_logits(weights, last, config), pool
+    return output_logits(weights, last, config, tp), pool
 
 
-def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, config: Config, window_pages: int):
+def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, config: Config, window_pages: int,
+             reduce=None):
     """Stacked layers under one `lax.scan`; returns (x, k_new, v_new), the new K/V [L, B, T, Hkv, Dh]."""
     b = x.shape[0]
     page = pool.page_size
@@ -228,7 +272,7 @@ def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, co
         def attend(q, k, v):
             return _attention(q, k, v, k_old, v_old, starts, positions, layer_swa, config)
 
-        x, k, v = _layer(x, layers, il, layer_swa, attend, ropes, config, pool.cache_type)
+        x, k, v = _layer(x, layers, il, layer_swa, attend, ropes, config, pool.cache_type, reduce)
         return x, (k, v)
 
     # The scan runs over layer indices, not over the stacked weights: scanning xs would slice (copy)
@@ -238,7 +282,7 @@ def _scanned(layers: Layer, x, pool: KVPool, table, starts, positions, ropes, co
 
 
 def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, positions, n_new, ropes, config: Config,
-              window_pages: int):
+              window_pages: int, reduce=None):
     """Device layout: one layer after another (unrolled under jit), attention through kernels.ops;
     returns (x, pool), the pool holding every layer's new K/V.
 
@@ -269,7 +313,7 @@ def _unrolled(layers: tuple[Layer, ...], x, pool: KVPool, table, starts, positio
                 out = ops.prefill_attention(q, k, v, pool.k, pool.v, layer, window, starts, n_new, **kw, **scales)
             return out.reshape(b, t, config.n_head * config.head_dim)
 
-        x, _, _ = _layer(x, lw, None, swa, attend, ropes, config, pool.cache_type)
+        x, _, _ = _layer(x, lw, None, swa, attend, ropes, config, pool.cache_type, reduce)
     return x, pool
 
 

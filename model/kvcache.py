@@ -95,16 +95,25 @@ def page_bytes(config: Config, page_size: int, cache_type: str = "f16") -> int:
     return values * jnp.dtype(_DTYPES[cache_type]).itemsize
 
 
-def init_pool(config: Config, n_pages: int, page_size: int, cache_type: str = "f16") -> KVPool:
+def init_pool(config: Config, n_pages: int, page_size: int, cache_type: str = "f16", parallel=None) -> KVPool:
+    """An empty pool; with `parallel` (model/parallel.py), split over its mesh by KV head, each device
+    making its own share."""
     why = cache_type_refusal(config, cache_type) if cache_type != "f32" else None
     if why:
         raise ValueError(why)
-    shape = (config.n_layer, n_pages, config.n_head_kv, page_size, config.head_dim)
-    if cache_type != "q8_0":
-        return KVPool(k=jnp.zeros(shape, _DTYPES[cache_type]), v=jnp.zeros(shape, _DTYPES[cache_type]))
-    scales = (*shape[:-1], config.head_dim // QK8_0)
-    return KVPool(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8), k_scale=jnp.zeros(scales, jnp.float16),
-                  v_scale=jnp.zeros(scales, jnp.float16))
+    heads = config.n_head_kv if parallel is None else parallel.pool_heads(config)
+    shape = (config.n_layer, n_pages, heads, page_size, config.head_dim)
+
+    def make() -> KVPool:
+        if cache_type != "q8_0":
+            return KVPool(k=jnp.zeros(shape, _DTYPES[cache_type]), v=jnp.zeros(shape, _DTYPES[cache_type]))
+        scales = (*shape[:-1], config.head_dim // QK8_0)
+        return KVPool(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8),
+                      k_scale=jnp.zeros(scales, jnp.float16), v_scale=jnp.zeros(scales, jnp.float16))
+
+    if parallel is None:
+        return make()
+    return jax.jit(make, out_shardings=parallel.pool_sharding())()
 
 
 def read_cells(pool: KVPool, index) -> tuple[jax.Array, jax.Array]:

@@ -35,10 +35,11 @@ from model.weights import Weights
 Tokens = list[tuple[int, float | None, list]]  # per sequence: (token, logprob, top [(id, logprob)])
 
 
-def empty_history(max_seqs: int, n_ctx: int) -> jax.Array:
+def empty_history(max_seqs: int, n_ctx: int, parallel=None) -> jax.Array:
     """Each slot's tokens, for the penalties [max_seqs + 1, n_ctx]; the last row takes the padding
-    rows' writes."""
-    return jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
+    rows' writes. With `parallel` (model/parallel.py), on every device of its mesh."""
+    history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
+    return history if parallel is None else jax.device_put(history, parallel.replicated)
 
 
 class Runner:
@@ -201,9 +202,10 @@ class Runner:
     def reset(self) -> None:
         """Make again a pool or history the failed program consumed (donated)."""
         if self.pool.k.is_deleted() or self.pool.v.is_deleted():
-            self.pool = init_pool(self.config, self.pool.n_pages, self.table.page_size, self.cache_type)
+            self.pool = init_pool(self.config, self.pool.n_pages, self.table.page_size, self.cache_type,
+                                  self.weights.parallel)
         if self.history.is_deleted():
-            self.history = empty_history(self.max_seqs, self.n_ctx)
+            self.history = empty_history(self.max_seqs, self.n_ctx, self.weights.parallel)
 
     # --- slot files (model/slots.py) -----------------------------------------------------------------
 
@@ -211,13 +213,17 @@ class Runner:
         """The K/V of the first `n_tokens` cells of `pages` (in order), per pool array (`KVPool.arrays`):
         [L, n_tokens, Hkv * X] each, on the host."""
         ids = _pages_bucket(pages, self.pool.n_pages)
-        return [np.asarray(gather_pages(leaf, ids))[:, :n_tokens] for leaf in self.pool.arrays]
+        cells = [np.asarray(gather_pages(leaf, ids))[:, :n_tokens] for leaf in self.pool.arrays]
+        par = self.weights.parallel  # a split pool: the model's KV heads, as one device holds them
+        return cells if par is None else [par.pool_to_model_heads(c, self.config) for c in cells]
 
     def pages_from_host(self, pages: list[int], cells: Sequence[np.ndarray]) -> None:
         """`cells` (per pool array, [L, n, Hkv * X], as `pages_to_host` returns them) into the first n
         cells of `pages`, in order."""
         ids = _pages_bucket(pages, self.pool.n_pages)
         rows = len(ids) * self.table.page_size
+        if self.weights.parallel is not None:
+            cells = [self.weights.parallel.model_to_pool_heads(c, self.config) for c in cells]
         leaves = []
         for leaf, part in zip(self.pool.arrays, cells, strict=True):
             padded = np.zeros((part.shape[0], rows, part.shape[2]), part.dtype)

@@ -98,7 +98,7 @@ class Scorer:
         page = self.table.page_size
         max_pages = -(-n_ctx // page)
         n_pages = -(-n // page) + 1  # the last chunk's padding writes nothing, but its bucket may reach a page more
-        pool = init_pool(self.config, n_pages, page, self.cache_type)
+        pool = init_pool(self.config, n_pages, page, self.cache_type, self.weights.parallel)
         table = np.zeros((1, max_pages), np.int32)  # past the scratch pages: page 0, never read (masked)
         table[0, :min(n_pages, max_pages)] = np.arange(min(n_pages, max_pages))
         ids = np.asarray(tokens, np.int32)

@@ -27,7 +27,8 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,9 @@ class Weights:
     layers: Layer | tuple[Layer, ...]  # stacked, or one per block in device layout
     output: Matrix | None = None  # [V, D]; None: tied to token_embd (llama.cpp's TENSOR_DUPLICATED)
     rope_freqs: Array | None = None  # [n_rot/2] Llama 3.x rope factors: theta_i /= rope_freqs[i]
+    # split over a mesh (model/parallel.py: its arrays are laid out per shard, and the forward pass runs
+    # each device's share); None: on one device
+    parallel: Any = field(default=None, metadata={"static": True})
 
 
 # GGUF tensor name within a block -> Layer field.

@@ -114,10 +114,10 @@ class FakeServer(_Server):
 
 
 class CliServer(_Server):
-    def __init__(self, bankml_cmd: list[str], *args: str, timeout_s: float = 600):
+    def __init__(self, bankml_cmd: list[str], *args: str, timeout_s: float = 600, env: dict | None = None):
         port, upstream = free_port(), free_port()
         super().__init__([*bankml_cmd, "serve", *args, "--native", "--listen", f"127.0.0.1:{port}",
-                          "--upstream", f"127.0.0.1:{upstream}"], timeout_s)
+                          "--upstream", f"127.0.0.1:{upstream}"], timeout_s, env)
 
 
 def free_port() -> int:

@@ -40,7 +40,8 @@ def bankml_info(state) -> dict[str, Any]:
         "hashed_at": last.hashed_at if last else 0,
         "resident": loaded[0] if loaded else None,
         "models": res.names,
-        "weights": _weights_report(state),
+        "weights": (weights := _weights_report(state)),
+        **({"mesh": weights["mesh"]} if weights and "mesh" in weights else {}),
         "cache_type": _cache_type(state),
         "loaded": loaded,  # bankml's own key, after the Rust bankml's
         **({"model_signer": last.verified.model_signer} if last and last.verified.model_signer else {}),

@@ -122,6 +122,12 @@ def default_params(d: SamplingParams, speculation: Speculation | None = None) ->
     }
 
 
+def _mesh(client) -> dict[str, Any]:
+    """bankml's own "mesh": the devices the model is split over (model/parallel.py), when the engine says."""
+    report = client.weights_report() if hasattr(client, "weights_report") else None
+    return {"mesh": report["mesh"]} if report and "mesh" in report else {}
+
+
 def props_json(loaded: Any) -> dict[str, Any]:
     """/props for the resident model `loaded` (gateway.serving.residency.Loaded). Reads the GGUF header once
     per file: call it off the event loop."""
@@ -138,6 +144,7 @@ def props_json(loaded: Any) -> dict[str, Any]:
         "model_path": loaded.path,
         "n_ctx": m.n_ctx,
         "cache_type": loaded.client.cache_type,
+        **_mesh(loaded.client),
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": True,
         "endpoint_props": False,
