@@ -52,7 +52,7 @@ commands:
                [--registry [DIR]] [--keep-alive DUR] [--api-key KEY] [--allow-origin O,...]
                [--chat-template-file FILE] [--receipt-key FILE] [--spec-type ngram-simple]
                [--spec-ngram-size-n N] [--spec-ngram-size-m M] [--draft-max N] [--draft-min N]
-               [--tensor-parallel N]
+               [--tensor-parallel N] [--coordinator H:P --num-processes N --process-id K]
   bankml serve FILE --fork F [--spawn BIN] [--listen H:P] [--upstream H:P] [--threads N] [--ctx N]
                [--spec-ngram] [--slot-dir DIR]
   bankml receipt verify FILE [--key PUB]
@@ -240,6 +240,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="--native: split the model over N devices of the platform: attention heads, FFN columns, "
                         "vocabulary and KV pool ([engine] tensor_parallel; 1). On a CPU, "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N devices")
+    p.add_argument("--coordinator", metavar="H:P",
+                   help="--native, one model across processes (jax.distributed): process 0's coordinator "
+                        "address, the same on every process ([engine] coordinator; $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", metavar="N", type=_positive_int,
+                   help="the processes the model is split across ([engine] num_processes; $JAX_NUM_PROCESSES; 1)")
+    p.add_argument("--process-id", metavar="K", type=_not_negative_int,
+                   help="this process's id, 0..N-1; process 0 serves HTTP, the others follow its steps "
+                        "([engine] process_id; $JAX_PROCESS_ID; 0)")
     p.add_argument("--slot-dir", "--slot-save-path", metavar="DIR", dest="slot_dir", help="slot files: POST /slots/{id}?action=save|restore|erase "
                    "(made if missing; P0 passes it to llama-server as --slot-save-path)")
     p.add_argument("--registry", metavar="DIR", nargs="?", const="",
@@ -273,7 +281,8 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          receipt_key=args.receipt_key, spec_type=args.spec_type,
                          spec_ngram_size_n=args.spec_ngram_size_n, spec_ngram_size_m=args.spec_ngram_size_m,
                          draft_max=args.draft_max, draft_min=args.draft_min, model_draft=args.model_draft,
-                         fork_draft=args.fork_draft, tensor_parallel=args.tensor_parallel)
+                         fork_draft=args.fork_draft, tensor_parallel=args.tensor_parallel,
+                         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
 
 # --- the model and its pin ---------------------------------------------------------------------

@@ -110,6 +110,12 @@ class EngineConfig:
     # split the model over this many devices of the platform (model/parallel.py; --tensor-parallel, vLLM's
     # --tensor-parallel-size): heads and FFN columns, the vocabulary and the KV pool; 1: one device
     tensor_parallel: int = 1
+    # one model across processes and machines (model/distributed.py, jax.distributed): the coordinator's
+    # HOST:PORT (process 0 listens there), how many processes, and this one's id; "" / 1: one process.
+    # JAX's own $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and $JAX_PROCESS_ID stand in for the flags
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
 
     @property
     def speculation(self) -> Speculation:
@@ -236,6 +242,9 @@ _CHECKS = {
     "engine.draft_max": _draft_max,
     "engine.draft_min": _not_negative,
     "engine.tensor_parallel": _positive,
+    "engine.coordinator": lambda value, what: parse_host_port(value, what) if value else None,
+    "engine.num_processes": _positive,
+    "engine.process_id": _not_negative,
     "registry.max_loaded": _positive,
 }
 
@@ -342,6 +351,12 @@ class ServeOptions:
         return parse_host_port(self.config.serve.upstream, "--upstream", any_port=True)
 
     @property
+    def cluster(self) -> tuple[str, int, int] | None:
+        """--native across processes: (coordinator, processes, this one's id); None: one process."""
+        e = self.config.engine
+        return (e.coordinator, e.num_processes, e.process_id) if e.num_processes > 1 else None
+
+    @property
     def compat_listen(self) -> tuple[str, int]:
         """--native: the second listener, for llama-server's clients (the --upstream flag names it)."""
         return self.upstream
@@ -402,7 +417,8 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   receipt_key: str | None = None, spec_type: str | None = None,
                   spec_ngram_size_n: int | None = None, spec_ngram_size_m: int | None = None,
                   draft_max: int | None = None, draft_min: int | None = None, model_draft: str | None = None,
-                  fork_draft: str | None = None, tensor_parallel: int | None = None) -> ServeOptions:
+                  fork_draft: str | None = None, tensor_parallel: int | None = None, coordinator: str | None = None,
+                  num_processes: int | None = None, process_id: int | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
     --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
@@ -447,8 +463,15 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         raise ConfigInvalid(f"--tensor-parallel {split} / [engine] tensor_parallel: bankML's own engine splits a model "
                             "over devices (--native); P0's llama-server splits with its own flags (--split-mode, "
                             "--tensor-split)")
+    cluster = _cluster(config.engine, coordinator, num_processes, process_id)
+    if cluster["num_processes"] > 1:
+        if not native:
+            raise ConfigInvalid("--num-processes: a model across processes is bankML's own engine's (--native)")
+        if registry_dir:
+            raise ConfigInvalid("--registry: a model across processes is the one startup model (every process "
+                                "holds its share of it)")
     drafts = {"spec_type": spec_type, "spec_ngram_size_n": spec_ngram_size_n, "spec_ngram_size_m": spec_ngram_size_m,
-              "draft_max": draft_max, "draft_min": draft_min, "tensor_parallel": tensor_parallel}
+              "draft_max": draft_max, "draft_min": draft_min, "tensor_parallel": tensor_parallel, **cluster}
     engine = replace(config.engine, **{k: v for k, v in drafts.items() if v is not None})
     chosen_slot_dir = slot_dir or s.slot_dir or None
     if chosen_slot_dir:  # made now, as llama-server's --slot-save-path is: a typo is refused at start
@@ -488,6 +511,36 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         allowed_origins=origins,
         chat_template=serve_files.read_chat_template(template_path, "--chat-template-file") if template_path else None,
     )
+
+
+def _cluster(engine: EngineConfig, coordinator: str | None, num_processes: int | None,
+             process_id: int | None) -> dict[str, Any]:
+    """The flags, else JAX's environment variables, else [engine]'s keys; checked together."""
+    env = os.environ
+    if coordinator is None:
+        coordinator = env.get("JAX_COORDINATOR_ADDRESS", engine.coordinator)
+    for name, value in (("JAX_NUM_PROCESSES", num_processes), ("JAX_PROCESS_ID", process_id)):
+        if value is None and env.get(name, "").strip():
+            try:
+                int(env[name])
+            except ValueError:
+                raise ConfigInvalid(f"${name}={env[name]!r} is not an integer") from None
+    if num_processes is None:
+        num_processes = int(env.get("JAX_NUM_PROCESSES", "").strip() or engine.num_processes)
+    if process_id is None:
+        process_id = int(env.get("JAX_PROCESS_ID", "").strip() or engine.process_id)
+    _positive(num_processes, "--num-processes")
+    _not_negative(process_id, "--process-id")
+    if num_processes > 1:
+        if not coordinator:
+            raise ConfigInvalid(f"--num-processes {num_processes}: --coordinator HOST:PORT is needed (process 0 "
+                                "listens there, the others connect)")
+        parse_host_port(coordinator, "--coordinator")
+        if process_id >= num_processes:
+            raise ConfigInvalid(f"--process-id {process_id} is not in 0..{num_processes - 1}")
+    elif process_id:
+        raise ConfigInvalid(f"--process-id {process_id} without --num-processes (more than 1)")
+    return {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
 
 
 def default_registry_dir() -> str:

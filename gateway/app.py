@@ -279,6 +279,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
                           default_keep_alive_s=options.keep_alive_s, ctx=options.ctx,
                           max_waiting=engine_cfg.max_waiting, estimate=estimate or native_estimate(options.ctx, engine_cfg),
                           chat_template=template, max_seqs=max_seqs)
+    residency.pinned = options.cluster is not None
     log.info("loading %s into bankML's forward pass (n_ctx %d)", gated.path, options.ctx)
     try:
         loaded = residency.load_startup()

@@ -173,6 +173,14 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir", os.fspath(compile_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        from model import distributed
+
+        cluster = distributed.current()
+        if cluster is not None:  # across processes: split over every device of every process
+            if tensor_parallel not in (1, jax.device_count()):
+                raise EngineError(f"--tensor-parallel {tensor_parallel}: across processes the model is split over "
+                                  f"every device of every process ({jax.device_count()})")
+            tensor_parallel = jax.device_count()
         if tensor_parallel > 1:
             config, weights = _load_split(path, tensor_parallel, verified=verified, packed=packed,
                                           activations=activations, layout=layout)
@@ -190,6 +198,8 @@ class Engine:
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                      page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type,
                      speculation=speculation)
+        if cluster is not None and cluster.leader:
+            distributed.lead(engine.runner)
         engine.file_bytes = file_tensor_bytes(path)
         engine.gguf_pooling = pooling_of(gguf_fields(path, (f"{config.arch}.pooling_type",)), config.arch)
         log.info("loaded %s (%s, %d layers) in %.2f s; KV pool %d pages of %d tokens (%.0f MiB, %s), %d sequences "
@@ -330,6 +340,7 @@ class Engine:
 
     def embed(self, token_lists: Sequence[Sequence[int]], pooling: int | None = None) -> list[np.ndarray]:
         """Embeddings of `token_lists`, batched, no KV cache touched (model/embed.py); on the engine thread."""
+        self._one_process("embeddings")
         if self._embedder is None:
             self._embedder = Embedder(self.config, self.weights, self.cache_type, LOWERING)
         return self._embedder.embed(token_lists, self.pooling if pooling is None else pooling)
@@ -337,11 +348,19 @@ class Engine:
     def prompt_logprobs(self, tokens: Sequence[int], n_probs: int = 0) -> list[Scored]:
         """Teacher-forced: each token's logprob after the ones before it, and the top `n_probs` there
         (model/score.py); OpenAI's echo with logprobs. On the engine thread, between iterations."""
+        self._one_process("the prompt's logprobs (echo)")
         return self._scorer.score(tokens, n_probs)
 
     def prompt_log_softmax(self, tokens: Sequence[int]) -> np.ndarray:
         """The same pass, every position's whole distribution [len(tokens) - 1, V] (bench/fidelity.py)."""
+        self._one_process("the prompt's logprobs")
         return self._scorer.log_softmax(tokens)
+
+    def _one_process(self, what: str) -> None:
+        """Refuse what runs programs outside the step runner, which the other processes of a cluster
+        would not run (model/distributed.py)."""
+        if self.runner.lockstep is not None:
+            raise EngineError(f"{what}: not served by a model split across processes yet (only generation is)")
 
     # --- slot files (model/slots.py) -----------------------------------------------------------------
 
@@ -349,9 +368,11 @@ class Engine:
         return slots.expect(self.runner, model_sha256)
 
     def save_slot(self, slot: int) -> Slot:
+        self._one_process("slot files")
         return slots.snapshot(self.scheduler, self.runner, slot)
 
     def restore_slot(self, slot: int, restored: Slot | None) -> int:
+        self._one_process("slot files")
         return slots.install(self.scheduler, self.runner, slot, restored)
 
     def erase_slot(self, slot: int) -> int:
@@ -377,7 +398,7 @@ def _load_split(path, n: int, **how) -> tuple[Config, Weights]:
     """load_weights into host memory (the CPU backend), then split over the first n devices."""
     from model import parallel
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         config, whole = load_weights(path, **how)
     devices = jax.devices()
     why = parallel.refusal(config, n, len(devices), devices[0].platform, parallel.row_blocks(whole))

@@ -409,6 +409,15 @@ class EngineThread:
         log.error("an engine iteration failed (%d in a row): its requests end with the error", self._failed_in_a_row,
                   exc_info=e)
         dropped = engine.reset()
+        if getattr(getattr(engine, "runner", None), "lockstep", None) is not None:
+            # across processes a failed step leaves them out of step (or one is gone): end every answer
+            # with the error, then the server stops (model/distributed.py)
+            for job in list(self._live.values()):
+                self._finish(job, _error(job.request, why))
+            from model import distributed
+
+            distributed.abandon(why)
+            return
         if self._failed_in_a_row >= FAILED_IN_A_ROW:
             raise EngineThreadFailed(f"{why} (the engine failed {self._failed_in_a_row} iterations in a row)") from e
         for task in dropped:
@@ -574,9 +583,24 @@ def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, com
         kv_cache_bytes = whole_contexts_bytes(path, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
                                               cache_type=cache_type, tensor_parallel=tensor_parallel)
 
+    import dataclasses
+
+    from model import distributed
+
+    cluster = distributed.current()
+    if cluster is not None and cluster.leader:  # the others load with exactly these (model/distributed.py)
+        distributed.publish_load({"n_ctx": n_ctx, "max_seqs": max_seqs, "prefill_chunk": prefill_chunk,
+                                  "compile_cache_dir": compile_cache_dir, "kv_cache_bytes": kv_cache_bytes,
+                                  "page_size": page_size, "whole_contexts": whole_contexts,
+                                  "cache_type": cache_type, "tensor_parallel": tensor_parallel,
+                                  "speculation": None if speculation is None else dataclasses.asdict(speculation)})
+    if isinstance(speculation, dict):  # a follower's, as process 0 published it
+        speculation = Speculation(**speculation)
     engine = Engine.load(path, verified=True, n_ctx=n_ctx, max_seqs=max_seqs, warmup=False,
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
                          kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type,
                          speculation=speculation, tensor_parallel=tensor_parallel)
-    split = f", split {tensor_parallel} ways" if tensor_parallel > 1 else ""
+    par = engine.weights.parallel
+    split = "" if par is None else f", split {par.n} ways" + (
+        f" over {par.describe()['processes']} processes" if par.describe()["processes"] > 1 else "")
     return engine, f"JAX {jax.__version__} on {jax.default_backend()}{split}"

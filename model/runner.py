@@ -10,6 +10,10 @@ program consumes (donates) the pool or the history it is given and returns the n
 runner keeps; `reset` makes again whatever a failed program consumed.
 
 Slot files (model/slots.py) reach the pool through `pages_to_host` and `pages_from_host` alone.
+
+Every program runs through `_op`, by name and with host arrays only (the device state is the runner's
+own: weights, pool, history, the last step's logits), so that across processes (model/distributed.py)
+process 0 publishes each op and the others `apply` the same ones, in the same order.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ Tokens = list[tuple[int, float | None, list]]  # per sequence: (token, logprob, 
 def empty_history(max_seqs: int, n_ctx: int, parallel=None) -> jax.Array:
     """Each slot's tokens, for the penalties [max_seqs + 1, n_ctx]; the last row takes the padding
     rows' writes. With `parallel` (model/parallel.py), on every device of its mesh."""
-    history = jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
-    return history if parallel is None else jax.device_put(history, parallel.replicated)
+    def zeros() -> jax.Array:
+        return jnp.zeros((max_seqs + 1, n_ctx), jnp.int32)
+
+    return zeros() if parallel is None else jax.jit(zeros, out_shardings=parallel.replicated)()
 
 
 class Runner:
@@ -61,13 +67,51 @@ class Runner:
         self.max_pages = -(-table.n_ctx // table.page_size)
         self._pieces: PieceIndex | None = None  # each token's text, for DRY's breakers
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
+        self._logits: jax.Array | None = None  # the last forward step's, until it is sampled
+        self.lockstep = None  # process 0 of several (model/distributed.py): each op is published first
+
+    # --- the device programs, by name: what another process replays --------------------------------
+
+    def _op(self, name: str, *args):
+        if self.lockstep is not None:
+            self.lockstep.publish(name, args)
+        return getattr(self, f"_op_{name}")(*args)
+
+    def apply(self, name: str, args: tuple) -> None:
+        """Run an op process 0 published (model/distributed.py's follower)."""
+        if name not in OPS:
+            raise ValueError(f"lockstep: unknown op {name!r}")
+        getattr(self, f"_op_{name}")(*args)
+
+    def _op_row(self, slot, row: np.ndarray) -> None:
+        self.history = self.compiled.get("row", 0, 0)(self.history, np.int32(slot), row)
+
+    def _op_forward(self, kind: str, t: int, window: int, *arrays: np.ndarray) -> jax.Array:
+        """A prefill, decode or verify{T} program; its logits stay here for the sampler."""
+        extra = (self.history,) if kind == "decode" else ()
+        self.pool, self._logits = self.compiled.get(kind, t, window)(self.weights, self.pool, *extra, *arrays)
+        return self._logits
+
+    def _op_sample(self, kind: str, b: int, bias_rows: int, sa, post, at, pre, *rows: np.ndarray) -> Sampled:
+        """A select or vselect{T} program over the last forward step's logits."""
+        logits, self._logits = self._logits, None
+        out, self.history = self.compiled.get(kind, b, bias_rows)(logits, sa, self.history, *rows, post, at, pre)
+        return out
+
+    def _op_reset(self) -> None:
+        self._logits = None
+        if self.pool.k.is_deleted() or self.pool.v.is_deleted():
+            self.pool = init_pool(self.config, self.pool.n_pages, self.table.page_size, self.cache_type,
+                                  self.weights.parallel)
+        if self.history.is_deleted():
+            self.history = empty_history(self.max_seqs, self.n_ctx, self.weights.parallel)
 
     # --- the scheduler's runner ---------------------------------------------------------------------
 
     def start_sequence(self, seq: SchedSequence) -> None:
         row = np.zeros(self.n_ctx, np.int32)
         row[:len(seq.tokens)] = seq.tokens
-        self.history = self.compiled.get("row", 0, 0)(self.history, np.int32(seq.slot), row)
+        self._op("row", int(seq.slot), row)
 
     def _table(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
         table = np.zeros((rows, self.max_pages), np.int32)
@@ -80,10 +124,8 @@ class Runner:
         t, window = self.table.prefill_shape(start, n)
         padded = np.zeros((1, t), np.int32)
         padded[0, :n] = seq.tokens[start:start + n]
-        program = self.compiled.get("prefill", t, window)
-        self.pool, logits = program(self.weights, self.pool, padded, self._table([seq], 1),
-                                    np.array([start], np.int32), np.array([n], np.int32))
-        return logits
+        return self._op("forward", "prefill", t, window, padded, self._table([seq], 1), np.array([start], np.int32),
+                        np.array([n], np.int32))
 
     def decode(self, seqs: list[SchedSequence]) -> jax.Array:
         """One step for `seqs`, each at `n_computed`; its input token is read on the device, from
@@ -94,9 +136,7 @@ class Runner:
         for i, seq in enumerate(seqs):
             slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1
         window = self.table.window_pages(int(starts.max()), self.table.decode_windows)
-        self.pool, logits = self.compiled.get("decode", b, window)(
-            self.weights, self.pool, self.history, slots, self._table(seqs, b), starts, n_new)
-        return logits
+        return self._op("forward", "decode", b, window, slots, self._table(seqs, b), starts, n_new)
 
     # --- speculation (model/speculative.py) -----------------------------------------------------------
 
@@ -132,12 +172,11 @@ class Runner:
             drafted[i, :len(draft)] = draft
             slots[i], starts[i], n_new[i] = seq.slot, seq.n_computed, 1 + len(draft)
             lengths[i], steps[i] = len(seq.tokens), seq.completion.n_generated
-        self.pool, logits = self.compiled.get(f"verify{tokens}", b, window)(
-            self.weights, self.pool, ids, self._table(seqs, b), starts, n_new)
+        logits = self._op("forward", f"verify{tokens}", b, window, ids, self._table(seqs, b), starts, n_new)
         return self._select(f"vselect{tokens}", seqs, logits, slots, lengths, steps, drafted, n_new)
 
     def read_verify(self, seqs: list[SchedSequence], sampled: Sampled, drafts: list[list[int]]) -> list[Tokens]:
-        out = jax.device_get(sampled)
+        out = _to_host(sampled)
         return [[_entry(out, (i, j), seq.request.params.n_probs) for j in range(1 + len(draft))]
                 for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True))]
 
@@ -165,15 +204,17 @@ class Runner:
         params = [s.request.params for s in seqs] + [None] * (b - len(seqs))
         sa = chain_arrays(params, [s.seed for s in seqs] + [0] * (b - len(seqs)))
         host = host_bias(seqs, b, self.table.dry_buckets(b), self.config.n_vocab, self.eog_ids, self._dry_row)
-        program = self.compiled.get(kind, b, 0 if host is None else host[2].shape[0])
+        if logits is not self._logits:
+            raise AssertionError("the sampler runs on the last forward step's logits only")
         post, at, pre = (None, None, None) if host is None else (host[1], host[2], host[0])
-        out, self.history = program(logits, sa, self.history, *rows, post, at, pre)
+        out = self._op("sample", kind, b, 0 if host is None else host[2].shape[0], sa, post, at, pre, *rows)
         for leaf in jax.tree.leaves(out):
-            leaf.copy_to_host_async()
+            if leaf.is_fully_addressable:  # across processes `read` takes this process's copy
+                leaf.copy_to_host_async()
         return out
 
     def read(self, seqs: list[SchedSequence], sampled: Sampled) -> Tokens:
-        out = jax.device_get(sampled)
+        out = _to_host(sampled)
         return [_entry(out, (i,), seq.request.params.n_probs) for i, seq in enumerate(seqs)]
 
     def needs_host(self, seqs: list[SchedSequence]) -> bool:
@@ -201,11 +242,7 @@ class Runner:
 
     def reset(self) -> None:
         """Make again a pool or history the failed program consumed (donated)."""
-        if self.pool.k.is_deleted() or self.pool.v.is_deleted():
-            self.pool = init_pool(self.config, self.pool.n_pages, self.table.page_size, self.cache_type,
-                                  self.weights.parallel)
-        if self.history.is_deleted():
-            self.history = empty_history(self.max_seqs, self.n_ctx, self.weights.parallel)
+        self._op("reset")
 
     # --- slot files (model/slots.py) -----------------------------------------------------------------
 
@@ -230,6 +267,15 @@ class Runner:
             padded[:, :part.shape[1]] = part
             leaves.append(scatter_pages(leaf, ids, padded))
         self.pool = KVPool(*leaves)
+
+
+OPS = frozenset({"row", "forward", "sample", "reset"})
+
+
+def _to_host(sampled: Sampled) -> Sampled:
+    """A sampled step's arrays on the host; across processes (replicated on every device), this
+    process's copy."""
+    return jax.tree.map(lambda a: np.asarray(a if a.is_fully_addressable else a.addressable_data(0)), sampled)
 
 
 def _pages_bucket(pages: list[int], n_pages: int) -> np.ndarray:

@@ -156,6 +156,9 @@ class Residency:
         self._tasks: set[asyncio.Task] = set()
         self._meter: Any = None
         self._reaper: asyncio.Task | None = None
+        # a model split across processes (model/distributed.py): the others hold its shares and follow
+        # this engine's steps, so it stays loaded whatever a keep_alive says
+        self.pinned = False
 
     # --- what the routes read --------------------------------------------------------------------
 
@@ -398,6 +401,8 @@ class Residency:
         resident = self._residents.get(name)
         if resident is None or resident.loaded is None:
             return
+        if self.pinned:
+            return
         if keep_alive_s <= 0:
             if resident.leases == 0:
                 self._drop_soon(resident, "keep_alive 0")
@@ -427,6 +432,10 @@ class Residency:
         resident = self._residents.get(name)
         if resident is None or resident.loaded is None:
             return False
+        if self.pinned:
+            log.info("%s stays loaded: it is split across processes, which follow its engine",
+                     resident.pin.file_name)
+            return True
         if resident.leases == 0:
             await self._drop(resident, "unloaded")
         else:
@@ -439,7 +448,7 @@ class Residency:
     async def reap(self) -> None:
         """Drop every expired model that no answer holds (the reaper's one round)."""
         now = time.time()
-        for resident in list(self._residents.values()):
+        for resident in [] if self.pinned else list(self._residents.values()):
             expired = resident.expires_at is not None and resident.expires_at <= now
             if resident.loaded is not None and resident.leases == 0 and (expired or resident.drop_when_idle):
                 await self._drop(resident, "its keep_alive expired")
