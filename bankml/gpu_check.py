@@ -194,6 +194,9 @@ def _child_env(interpret: bool) -> dict[str, str]:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["JAX_PLATFORMS"] = "cpu"
+    if interpret:  # two CPU devices: the wiring run splits the model over them (model/parallel.py)
+        env["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                  "--xla_force_host_platform_device_count=2"]))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return env
 
@@ -410,6 +413,10 @@ def table(report: dict) -> str:
             if k not in ("module", "ok", "seconds", "reason") and isinstance(v, bool | int | float | str)]
     lines.append(f"wiring ({w.get('module')}): {'ok' if w.get('ok') is True else 'FAIL'}"
                  + (f" -- {w['reason']}" if w.get("reason") else f" {' '.join(told)}" if told else ""))
+    if isinstance(w.get("split"), dict):  # the same model split over devices, its kernels under shard_map
+        sp = w["split"]
+        lines.append(f"  split {sp['devices']} ways: {'ok' if sp.get('ok') else 'FAIL'} "
+                     f"max_logit_rel_diff={sp.get('max_logit_rel_diff', float('nan')):.3g}")
     for k in report["kernels"]:
         for r in k.get("reasons", []):
             lines.append(f"  {k['name']} {','.join(k['types'])}: {r}")

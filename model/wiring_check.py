@@ -8,7 +8,9 @@ included), loads it twice -- the CPU path (packed, stacked,
 interpreter here, compiled on a GPU) -- and generates a few greedy tokens from each with several
 sequences batched as the engine runs them: ragged prompts prefilled in two chunks (the second reads the
 first's pages and carries a padding row), then decode steps over the paged pool. Both must give the same
-tokens and logits within `TOLERANCE` of each other.
+tokens and logits within `TOLERANCE` of each other. A third run splits the device layout over the
+devices there are, two at most (model/parallel.py; `bankml gpu-check` simulates two CPU devices), its
+Triton kernels under `shard_map`, and must agree as well.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def greedy(config, weights, prompts: list[list[int]], n_decode: int) -> tuple[li
     b = len(prompts)
     max_pages = -(-(max(map(len, prompts)) + n_decode) // PAGE)
     table = np.arange(b * max_pages, dtype=np.int32).reshape(b, max_pages)[:, ::-1].copy()  # pages out of order
-    pool = init_pool(config, b * max_pages, PAGE)
+    pool = init_pool(config, b * max_pages, PAGE, "f16", weights.parallel)
     done = np.zeros(b, np.int32)
     logits_per_step, last = [], np.zeros((b, config.n_vocab), np.float32)
     while (left := np.array([len(p) for p in prompts]) - done).any():
@@ -130,7 +132,10 @@ def run(path: str | os.PathLike | None = None) -> dict:
     """Packed CPU path against the device layout with the Triton kernels forced on, on the tiny model (or
     `path`). {"ok", "tokens_equal", "max_logit_abs_diff", "max_logit_rel_diff", "tokens", "kernels" (the
     ops report), "device_bytes", "file_bytes", "seconds"}."""
+    import jax
+
     from kernels import ops
+    from model import parallel
     from model.weights import device_bytes, file_tensor_bytes, load_weights, matrix_types
 
     t0 = time.perf_counter()
@@ -142,23 +147,30 @@ def run(path: str | os.PathLike | None = None) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, config.n_vocab, n).tolist() for n in PROMPT_LENGTHS]
     want_tokens, want_logits = greedy(config, packed, prompts, N_DECODE)  # never reaches kernels.ops
+    n = min(2, len(jax.devices()))
+    split = parallel.shard_weights(device, config, parallel.make(config, n))
     with ops.use("triton"):
         got_tokens, got_logits = greedy(config, device, prompts, N_DECODE)
         kernels = ops.report(matrix_types(device))
+        split_tokens, split_logits = greedy(config, split, prompts, N_DECODE)
     diff = max(float(np.abs(g - w).max()) for g, w in zip(got_logits, want_logits, strict=True))
     scale = max(float(np.abs(w).max()) for w in want_logits)
+    split_diff = max(float(np.abs(g - w).max()) for g, w in zip(split_logits, want_logits, strict=True))
+    split_ok = split_tokens == want_tokens and split_diff <= TOLERANCE * scale
     tokens_equal = got_tokens == want_tokens
     triton_everywhere = all(row["impl"] == "triton" for op, row in kernels.items()
                             if op in ops.ATTENTION_OPS) and \
         all(row["impl"] == "triton" for t, row in kernels["qmatmul"].items() if t not in ("F16", "BF16", "F32"))
     return {
-        "ok": bool(tokens_equal and diff <= TOLERANCE * scale and triton_everywhere),
+        "ok": bool(tokens_equal and diff <= TOLERANCE * scale and triton_everywhere and split_ok),
         "tokens_equal": tokens_equal,
         "max_logit_abs_diff": diff,
         "max_logit_rel_diff": diff / scale,
         "tolerance": TOLERANCE,
         "triton_everywhere": triton_everywhere,
-        "tokens": {"packed": want_tokens, "device": got_tokens},
+        "tokens": {"packed": want_tokens, "device": got_tokens, "split": split_tokens},
+        "split": {"devices": n, "ok": bool(split_ok), "max_logit_rel_diff": split_diff / scale,
+                  "bytes_per_device": parallel.per_device_bytes(split)},
         "kernels": kernels,
         "device_bytes": device_bytes(device),
         "file_bytes": file_bytes,

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -173,6 +174,11 @@ def lowered_targets(hlo_text: str) -> list[str]:
     return re.findall(r"stablehlo\.custom_call @([\w.]+)", hlo_text)
 
 
+# Triton's interpreter patches triton.language while a kernel runs: one kernel at a time per process
+# (under shard_map, XLA:CPU runs each device's callback on a thread of its own)
+_INTERPRETER = threading.Lock()
+
+
 def _all_outputs(out_shape) -> Callable[[dict], tuple[int, ...]]:
     n = 1 if isinstance(out_shape, jax.ShapeDtypeStruct) else len(out_shape)
     return lambda meta: tuple(range(n))
@@ -190,7 +196,8 @@ def interpret_call(*args, kernel, out_shape, grid: Grid, **metaparams):
             full[i] = _HostTensor(np.ascontiguousarray(np.asarray(v)))
         results = [np.zeros(o.shape, o.dtype) for o in outs]
         g = grid(metaparams) if callable(grid) else grid
-        interpreted(kernel)[tuple(g)](*full, *(_HostTensor(r) for r in results), **metaparams)
+        with _INTERPRETER:
+            interpreted(kernel)[tuple(g)](*full, *(_HostTensor(r) for r in results), **metaparams)
         return tuple(results)
 
     got = jax.pure_callback(host, outs, *(args[i] for i in arrays))
