@@ -275,3 +275,26 @@ def test_requests_in_the_same_buckets_compile_nothing(request, tmp_path):
     assert (len(a), len(b)) == (5, 9)
     assert len(engine.compiled.ready) == programs, "a request in the same buckets compiled a new program"
     assert not backend, f"{len(backend)} XLA compilations during requests in warm buckets"
+
+
+def test_split_forward_runs_the_kernels_under_shard_map(request, tmp_path):
+    """The device layout split over the devices there are (model/parallel.py; one GPU: a mesh of one, the
+    same shard_map program), the Triton kernels under `shard_map`: the same greedy tokens as unsplit,
+    logits within KERNEL_TOL."""
+    compiled_triton()
+    from kernels import ops
+    from model import parallel, wiring_check
+    from model.weights import load_weights
+
+    path = wiring_check.write_model(tmp_path / "wiring.gguf", n_layer=wiring_check.CHECK_LAYERS)
+    config, device = load_weights(path, verified=True, layout="device")
+    n = 2 if len(jax.devices()) >= 2 else 1
+    split = parallel.shard_weights(device, config, parallel.make(config, n))
+    prompts = [np.random.default_rng(1).integers(0, config.n_vocab, m).tolist() for m in wiring_check.PROMPT_LENGTHS]
+    with ops.use("triton"):
+        want_tokens, want = wiring_check.greedy(config, device, prompts, wiring_check.N_DECODE)
+        got_tokens, got = wiring_check.greedy(config, split, prompts, wiring_check.N_DECODE)
+    err = max(rel_err(g, w) for g, w in zip(got, want, strict=True))
+    record(request, devices=n, max_rel_err=err, bytes_per_device=parallel.per_device_bytes(split))
+    assert got_tokens == want_tokens
+    assert err <= KERNEL_TOL
