@@ -119,6 +119,7 @@ class Engine:
         self.lazy_compile = False
         self.gguf_pooling: int | None = None  # <arch>.pooling_type, when loaded from a file that has one
         self._embedder = None  # model/embed.py's programs, made on the first embedding request
+        self._mesh: dict | None = None  # `mesh`'s sizes, read once
 
     @property
     def pool(self) -> KVPool:
@@ -229,17 +230,26 @@ class Engine:
 
     def mesh(self) -> dict:
         """The devices the model runs on (model/parallel.py): {"axes": {"tp": N}, "devices", "processes",
-        "kv_heads", "vocabulary", "weight_bytes" and "kv_bytes" per device}; one device: axes tp 1."""
-        from model import parallel
+        "kv_heads", "vocabulary", "weight_bytes" and "kv_bytes" per device of this process, and on a GPU
+        "memory": JAX's allocator's bytes in use and limit per device}; one device: axes tp 1."""
+        if self._mesh is None:  # the sizes never change; read once (the pool's arrays are replaced each step)
+            from model import parallel
 
-        par = self.weights.parallel
-        if par is None:
-            device = next(iter(jax.tree.leaves(self.weights)[0].devices()))
-            out = {"axes": {parallel.AXIS: 1}, "devices": [f"{device.platform}:{device.id}"], "processes": 1}
-        else:
-            out = par.describe()
-        return {**out, "weight_bytes": parallel.per_device_bytes(self.weights),
-                "kv_bytes": parallel.per_device_bytes(self.pool.arrays)}
+            par = self.weights.parallel
+            if par is None:
+                device = next(iter(jax.tree.leaves(self.weights)[0].devices()))
+                out = {"axes": {parallel.AXIS: 1}, "devices": [f"{device.platform}:{device.id}"], "processes": 1}
+            else:
+                out = par.describe()
+            self._mesh = {**out, "weight_bytes": parallel.per_device_bytes(self.weights),
+                          "kv_bytes": parallel.per_device_bytes(self.pool.arrays)}
+        memory = {}
+        for d in jax.local_devices():
+            stats = d.memory_stats() if d.platform != "cpu" else None
+            if stats and f"{d.platform}:{d.id}" in self._mesh["weight_bytes"]:
+                memory[f"{d.platform}:{d.id}"] = {"in_use_bytes": stats.get("bytes_in_use"),
+                                                  "limit_bytes": stats.get("bytes_limit")}
+        return {**self._mesh, **({"memory": memory} if memory else {})}
 
     def memory_bytes(self) -> int:
         """What the engine holds: its weights' device bytes and its KV pool's (/api/ps "size")."""

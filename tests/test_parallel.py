@@ -9,7 +9,7 @@ one device).
   per layer and one for the embedding lookup, and one all-gather of the logits;
 - through the HTTP API: SmolLM2 split 3 ways (9 heads, 3 KV heads) and gemma3 split 2 ways (4 heads,
   one KV head, held by both devices) answer greedy requests with the tokens one device gives, and
-  /bankml and /props show the mesh.
+  /bankml and /props show the mesh, /bankml/usage and /metrics each device's bytes.
 """
 
 from __future__ import annotations
@@ -153,5 +153,12 @@ def test_split_server_answers_as_one_device(request, tmp_path, bankml_cmd, model
         assert len(set(mesh["kv_bytes"].values())) == 1
         props = httpx.get(server.url("/props"), timeout=30).json()
         assert props["mesh"]["axes"] == {"tp": n}
+        devices = httpx.get(server.url("/bankml/usage"), timeout=30).json()["engine_devices"]
+        assert [d["device"] for d in devices] == mesh["devices"]
+        assert all(d["weight_bytes"] == mesh["weight_bytes"][d["device"]] and d["kv_bytes"] > 0 for d in devices)
+        metrics = httpx.get(server.url("/metrics"), timeout=30).text
+        for name in mesh["devices"]:
+            assert f'bankml_device_weight_bytes{{device="{name}"}}' in metrics
+            assert f'bankml_device_kv_cache_bytes{{device="{name}"}}' in metrics
     finally:
         server.stop()

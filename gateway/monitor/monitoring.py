@@ -128,6 +128,26 @@ class Monitoring:
             return recent.client.stats() if recent is not None else None
         return self.engine_thread.stats() if self.engine_thread is not None else None
 
+    def devices(self) -> list[dict[str, Any]] | None:
+        """The most recently used model's devices (model/parallel.py's mesh), one entry each: its weight
+        and KV bytes, and on a GPU the allocator's bytes in use; None: no engine here, or one that does not
+        say (P0, the tests' fakes). A GPU board's busy share, power and memory are in "gpus" (NVML,
+        amdsmi); simulated CPU devices share this process's cores (its cpu_percent)."""
+        recent = self.engines.most_recent() if self.engines is not None else None
+        report = recent.client.weights_report() if recent is not None else None
+        mesh = report.get("mesh") if report else None
+        if not mesh:
+            return None
+        out = []
+        for name, weight_bytes in mesh["weight_bytes"].items():
+            memory = mesh.get("memory", {}).get(name, {})
+            out.append({"device": name, "weight_bytes": weight_bytes, "kv_bytes": mesh["kv_bytes"].get(name),
+                        "memory_in_use_bytes": memory.get("in_use_bytes"),
+                        "memory_limit_bytes": memory.get("limit_bytes"),
+                        "busy": "gpus" if not name.startswith("cpu") else "process.cpu_percent: CPU devices share "
+                                                                           "this process's cores"})
+        return out
+
     def _threads(self) -> list[Counted] | None:
         if self.engines is not None:
             return self.engines.threads()

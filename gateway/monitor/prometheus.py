@@ -89,6 +89,7 @@ class UsageCollector:
             yield GaugeMetricFamily("bankml_package_power_watts",
                                     "CPU package power over the last usage window (RAPL).", u["package_watts"])
         yield from self._gpus(u.get("gpus", []))
+        yield from self._engine_devices(u.get("engine_devices", []))
         yield from self._limiter(u.get("gpu_limiter"))
 
     @staticmethod
@@ -134,6 +135,21 @@ class UsageCollector:
                                     "Accepted over drafted tokens since the engine started (0..1; for a recent "
                                     "rate, divide the rates of the two counters).",
                                     stats.spec_accepted_tokens / stats.spec_draft_tokens)
+
+    @staticmethod
+    def _engine_devices(devices: list[dict[str, Any]]) -> Iterable[Metric]:
+        """Per device of the engine's mesh (model/parallel.py: a model split over N devices has N)."""
+        if not devices:
+            return
+        for key, name, doc in (("weight_bytes", "bankml_device_weight_bytes", "The model's weights on the device."),
+                               ("kv_bytes", "bankml_device_kv_cache_bytes", "The KV cache pool on the device."),
+                               ("memory_in_use_bytes", "bankml_device_memory_in_use_bytes",
+                                "What JAX's allocator holds on the device (GPUs).")):
+            g = GaugeMetricFamily(name, doc, labels=["device"])
+            for d in devices:
+                if d.get(key) is not None:
+                    g.add_metric([d["device"]], d[key])
+            yield g
 
     @staticmethod
     def _gpus(gpus: list[dict[str, Any]]) -> Iterable[Metric]:

@@ -51,8 +51,15 @@ async def root(request, state):
     return text_response(state.monitoring.root_text, 200)
 
 
+async def _usage(state) -> dict:
+    """The monitor's snapshot, with the engine's devices (`Monitoring.devices`) where it has some."""
+    usage = await state.monitoring.monitor.get_usage()
+    devices = state.monitoring.devices()
+    return usage if devices is None else {**usage, "engine_devices": devices}
+
+
 async def usage(request, state):
-    return json_response(jstr.dumps(await state.monitoring.monitor.get_usage()))
+    return json_response(jstr.dumps(await _usage(state)))
 
 
 async def metrics(request, state):
@@ -65,7 +72,7 @@ async def status(request, state):
 
 async def prometheus(request, state):
     m = state.monitoring
-    body, content_type = m.prom.exposition(await m.monitor.get_usage(), request.headers.get("accept"))
+    body, content_type = m.prom.exposition(await _usage(state), request.headers.get("accept"))
     return HTTPResponse(body, content_type=content_type)
 
 
