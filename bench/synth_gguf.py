@@ -2,6 +2,11 @@
 
     python bench/synth_gguf.py llama3-8b OUT.gguf [--seed 0]      # ~4.9 GB, Q4_K_M's mix
     python bench/synth_gguf.py tiny OUT.gguf                       # a few hundred KB, the same mix
+    python bench/synth_gguf.py llama3-8b OUT.gguf --layers 2       # ~1 GB: the 8B's matrices, 2 layers
+
+--layers N keeps the shape's matrices and vocabulary and cuts its layers to N (bench/parallel.py: the
+8B's widths on a CPU box, where the embeddings and output, 0.7 GB, are most of the file); the mix
+follows the cut count, as llama.cpp quantizing an N-layer model would pick it.
 
 For a GPU machine that cannot download a model: what a step costs depends on the shapes and the
 block types, not on the values. The mix is llama.cpp's Q4_K_M (llama_tensor_get_type in
@@ -21,6 +26,7 @@ hashed into FILE.FORK.json, as `bankml fork FILE` writes it, so the normal gate 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -185,16 +191,27 @@ def tensor_chunks(rng: np.random.Generator, numpy_shape: tuple[int, ...], qtype:
         yield random_blocks(rng, (min(rows, r0 + step) - r0) * row_blocks, qtype, d_scale)
 
 
-def write(path: str | Path, shape_name: str, *, seed: int = 0) -> Path:
-    """Write the synthetic `shape_name` model to `path` and its FORK.json to `path`.FORK.json.
+def shape_of(shape_name: str, layers: int | None = None) -> Shape:
+    """The named shape, with its layer count cut to `layers` when given."""
+    shape = SHAPES[shape_name]
+    if layers is None:
+        return shape
+    if not 1 <= layers <= shape.n_layer:
+        raise ValueError(f"layers must be 1..{shape.n_layer} for {shape_name}, got {layers}")
+    return dataclasses.replace(shape, n_layer=layers)
+
+
+def write(path: str | Path, shape_name: str, *, seed: int = 0, layers: int | None = None) -> Path:
+    """Write the synthetic `shape_name` model (`layers` of them, default the shape's) to `path` and its
+    FORK.json to `path`.FORK.json.
 
     Both appear whole or not at all: the model is written and hashed as `path`.partial, then renamed, then
     its FORK.json (written beside as .partial too) -- so a writer killed part way (a time box) leaves no
     file that looks finished, and a reader that finds both has the model they pin."""
-    shape = SHAPES[shape_name]
+    shape = shape_of(shape_name, layers)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    _write_model(partial, shape_name, shape, seed)
+    _write_model(partial, shape_name if layers is None else f"{shape_name}-{layers}l", shape, seed)
     record = fork_record(partial)
     record["files"][0]["path"] = path.name
     record["pinned_from"] = record["pinned_from"].replace(str(partial.resolve()), str(path.resolve()))
@@ -250,9 +267,17 @@ def main() -> int:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, help="cut the shape's layer count to this (default: the shape's)")
     args = ap.parse_args()
-    path = write(args.out, args.shape, seed=args.seed)
-    print(json.dumps({"path": str(path), "bytes": path.stat().st_size, "shape": args.shape}))
+    try:
+        shape_of(args.shape, args.layers)
+    except ValueError as e:
+        ap.error(str(e))
+    path = write(args.out, args.shape, seed=args.seed, layers=args.layers)
+    out = {"path": str(path), "bytes": path.stat().st_size, "shape": args.shape}
+    if args.layers is not None:
+        out["layers"] = args.layers
+    print(json.dumps(out))
     return 0
 
 
