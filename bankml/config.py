@@ -540,6 +540,9 @@ def _cluster(engine: EngineConfig, coordinator: str | None, num_processes: int |
             raise ConfigInvalid(f"--process-id {process_id} is not in 0..{num_processes - 1}")
     elif process_id:
         raise ConfigInvalid(f"--process-id {process_id} without --num-processes (more than 1)")
+    elif coordinator:
+        raise ConfigInvalid(f"--coordinator {coordinator} without --num-processes (more than 1): this process would "
+                            "serve the whole model alone while the others wait for it")
     return {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
 
 

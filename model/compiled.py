@@ -204,10 +204,19 @@ class ProgramCache:
                 _return_freed_memory()
 
         thread = threading.Thread(target=compile_rest, name="bankml-compile", daemon=True)
-        atexit.register(stop.set)  # no new compile starts while the process exits
         thread.start()
+
+        def at_exit() -> None:  # no new compile starts, and the one under way ends before the process does:
+            stop.set()  # a daemon thread cut off inside XLA's compile aborts the process ("exception not rethrown")
+            thread.join(timeout=60)
+
+        atexit.register(at_exit)
         return thread
 
+
+    def stop_background(self) -> None:
+        """No background or `compile_soon` compile starts from now on (one under way finishes)."""
+        self._stop_background.set()
 
     def compile_soon(self, keys: list[Key]) -> None:
         """Compile `keys` (the table's `on_demand` programs a step wants) on a daemon thread, once each,

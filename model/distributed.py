@@ -32,7 +32,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -88,6 +90,10 @@ def join(coordinator: str, num_processes: int, process_id: int, *, sha256: str |
         raise ValueError(f"--process-id {process_id} is not in 0..{num_processes - 1}")
     if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or not _has_accelerator():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    else:  # XLA:GPU would share each program's autotuning among the processes compiling it at the same time;
+        # ours compile on their own schedules (a follower compiles what it replays), so each tunes alone
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                         "--xla_gpu_shard_autotuning=false"]))
     jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=JOIN_TIMEOUT_S,
                                heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=HEARTBEAT_S)
     client = _client()
@@ -114,6 +120,15 @@ def _has_accelerator() -> bool:
 
     return any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
                                                                   "jax_rocm7_plugin"))
+
+
+def smallest(name: str, value: int) -> int:
+    """The smallest of every process's `value` (each posts its own, then reads all): what every process
+    must agree on though each measures its own, as the KV pool's pages from its device's free memory."""
+    client = _client()
+    client.key_value_set(f"bankml/{name}/{_cluster.process_id}", str(int(value)))
+    return min(int(client.blocking_key_value_get(f"bankml/{name}/{pid}", JOIN_TIMEOUT_S * 1000))
+               for pid in range(_cluster.num_processes))
 
 
 def publish_load(settings: dict) -> None:
@@ -202,29 +217,32 @@ def decode(data: bytes) -> tuple[str, tuple]:
     return head["op"], tuple(args)
 
 
-def follow(path: str) -> int:
-    """A follower's life: load the model with process 0's settings, then run every op it publishes
-    until it stops. Returns the exit code."""
-    from model.engine_thread import load_engine
-
-    logging.basicConfig(level=logging.INFO, format=f"bankml serve [{_cluster.process_id}]: %(message)s",
-                        stream=sys.stderr)
-    settings = receive_load()
-    engine, backend = load_engine(path, **settings)
-    log.info("process %d: loaded %s (%s); following process 0", _cluster.process_id, path, backend)
-    lockstep = Lockstep()
-    runner = engine.runner
-    while True:
-        try:
+def follow(path: str, load: Callable[..., tuple[Any, str]]) -> int:
+    """A follower's life: load the model with process 0's settings (`load`: model/engine_thread.py's
+    load_engine), compile what process 0 compiles first, then run every op it publishes until it stops.
+    Returns the exit code; a failure (process 0 gone, a step that failed) ends this process at once."""
+    pid = _cluster.process_id
+    logging.basicConfig(level=logging.INFO, format=f"bankml serve [{pid}]: %(message)s", stream=sys.stderr)
+    try:
+        engine, backend = load(path, **receive_load())
+        log.info("process %d: loaded %s (%s); following process 0", pid, path, backend)
+        engine.warmup(essential=True)  # compile-only, as process 0 does: its first steps need not wait for us
+        compiling = engine.compile_in_background()
+        lockstep = Lockstep()
+        runner = engine.runner
+        while True:
             op, args = lockstep.receive()
             if op == "stop":
-                log.info("process %d: process 0 stopped; stopping", _cluster.process_id)
+                log.info("process %d: process 0 stopped; stopping", pid)
+                engine.compiled.stop_background()
+                if compiling is not None:  # a compile cut off by the exit aborts the process
+                    compiling.join()
                 return 0
             runner.apply(op, args)
-        except Exception as e:  # process 0 is gone, or a step failed: out of step for good
-            log.error("process %d: %s: %s; stopping", _cluster.process_id, type(e).__name__, str(e)[:500])
-            sys.stderr.flush()
-            os._exit(1)  # JAX's own exit would wait on the coordinator that is gone
+    except Exception as e:  # process 0 is gone or never published, or a step failed: out of step for good
+        log.error("process %d: %s: %s; stopping", pid, type(e).__name__, str(e)[:500])
+        sys.stderr.flush()
+        os._exit(1)  # JAX's own exit would wait on the coordinator that is gone
 
 
 def abandon(why: str) -> None:

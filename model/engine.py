@@ -196,6 +196,8 @@ class Engine:
             raise EngineError(why)
         n_pages = kv_pool_pages(config, n_ctx=n_ctx, max_seqs=max_seqs, page_size=page_size,
                                 kv_cache_bytes=kv_cache_bytes, cache_type=cache_type, parallel=weights.parallel)
+        if cluster is not None:  # each process sized it from its own device's room: the smallest fits all
+            n_pages = distributed.smallest("kv_pool_pages", n_pages)
         engine = cls(config, weights, tokenizer, n_ctx=n_ctx, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                      page_size=page_size, n_pages=n_pages, lookahead=lookahead, cache_type=cache_type,
                      speculation=speculation)

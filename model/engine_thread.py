@@ -408,16 +408,17 @@ class EngineThread:
         self._failed_in_a_row += 1
         log.error("an engine iteration failed (%d in a row): its requests end with the error", self._failed_in_a_row,
                   exc_info=e)
-        dropped = engine.reset()
-        if getattr(getattr(engine, "runner", None), "lockstep", None) is not None:
-            # across processes a failed step leaves them out of step (or one is gone): end every answer
-            # with the error, then the server stops (model/distributed.py)
+        if getattr(getattr(engine, "runner", None), "out_of_step", False):
+            # a device program failed across processes (one may be gone): they no longer run the same
+            # steps, so every answer ends with the error and the server stops (model/distributed.py)
             for job in list(self._live.values()):
                 self._finish(job, _error(job.request, why))
             from model import distributed
 
             distributed.abandon(why)
-            return
+            raise EngineThreadFailed(f"{why} (a step of the model split across processes failed: the server "
+                                     "stops)") from e
+        dropped = engine.reset()
         if self._failed_in_a_row >= FAILED_IN_A_ROW:
             raise EngineThreadFailed(f"{why} (the engine failed {self._failed_in_a_row} iterations in a row)") from e
         for task in dropped:
@@ -600,7 +601,7 @@ def load_engine(path: str, *, n_ctx: int, max_seqs: int, prefill_chunk: int, com
                          prefill_chunk=prefill_chunk, compile_cache_dir=compile_cache_dir,
                          kv_cache_bytes=kv_cache_bytes, page_size=page_size, cache_type=cache_type,
                          speculation=speculation, tensor_parallel=tensor_parallel)
-    par = engine.weights.parallel
+    par = getattr(getattr(engine, "weights", None), "parallel", None)
     split = "" if par is None else f", split {par.n} ways" + (
         f" over {par.describe()['processes']} processes" if par.describe()["processes"] > 1 else "")
     return engine, f"JAX {jax.__version__} on {jax.default_backend()}{split}"

@@ -25,6 +25,7 @@ N ways.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -37,6 +38,8 @@ from kernels.dequant_ref import BLOCK_LAYOUT
 from kernels.qlayout import QWeight
 from model.config import Config
 from model.packed import Packed
+
+log = logging.getLogger(__name__)
 
 AXIS = "tp"
 COLUMN = ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")  # split by output rows
@@ -261,6 +264,8 @@ def _row_split(value, n: int):
     codes = np.concatenate([c & np.uint8(15), c >> np.uint8(4)], axis=-1)  # [..., out, in] biased
     width = codes.shape[-1] // n
     if width % 64:  # a shard's half must hold whole groups: int8 codes instead
+        log.warning("a row-parallel matrix's shard has %d columns, not a multiple of 64: its codes are held as "
+                    "int8, twice the bytes of nibbles", width)
         q = jnp.asarray(codes.astype(np.int16) - value.nibble_bias).astype(jnp.int8)
         return dataclasses.replace(value, q=q, nibble_bias=None)
     shards = []
@@ -282,13 +287,15 @@ def per_device_bytes(tree) -> dict[str, int]:
 
 
 def row_blocks(weights) -> dict[str, int]:
-    """The block size (elements) of each quantized row-parallel matrix in device layout, the largest
-    over the layers: a shard must hold whole blocks."""
+    """The block size (elements) of each quantized row-parallel matrix, the largest over the layers: a
+    shard must hold whole blocks (device layout: the type's blocks; packed: its groups of constants)."""
     out: dict[str, int] = {}
-    layers = weights.layers if isinstance(weights.layers, tuple) else ()
+    layers = weights.layers if isinstance(weights.layers, tuple) else (weights.layers,)
     for layer in layers:
         for name in ROW:
             m = getattr(layer, name)
             if isinstance(m, QWeight):
                 out[name] = max(out.get(name, 1), BLOCK_LAYOUT[m.ggml_type][0])
+            elif isinstance(m, Packed):
+                out[name] = max(out.get(name, 1), m.group)
     return out

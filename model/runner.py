@@ -69,13 +69,29 @@ class Runner:
         self._dry_restarts = RestartCache()  # by breaker list, bounded: each request may name its own
         self._logits: jax.Array | None = None  # the last forward step's, until it is sampled
         self.lockstep = None  # process 0 of several (model/distributed.py): each op is published first
+        self.out_of_step = False  # an op failed here after it was published: the processes no longer agree
 
     # --- the device programs, by name: what another process replays --------------------------------
 
     def _op(self, name: str, *args):
-        if self.lockstep is not None:
+        run = getattr(self, f"_op_{name}")
+        if self.lockstep is None:
+            return run(*args)
+        try:
             self.lockstep.publish(name, args)
-        return getattr(self, f"_op_{name}")(*args)
+            return run(*args)
+        except BaseException:  # the others may have run it, or be waiting in it: out of step for good
+            self.out_of_step = True
+            raise
+
+    def _host(self, sampled: Sampled) -> Sampled:
+        """`_to_host`: across processes a failure here is a failed step too (its collectives ran there)."""
+        try:
+            return _to_host(sampled)
+        except BaseException:
+            if self.lockstep is not None:
+                self.out_of_step = True
+            raise
 
     def apply(self, name: str, args: tuple) -> None:
         """Run an op process 0 published (model/distributed.py's follower)."""
@@ -83,7 +99,9 @@ class Runner:
             raise ValueError(f"lockstep: unknown op {name!r}")
         getattr(self, f"_op_{name}")(*args)
 
-    def _op_row(self, slot, row: np.ndarray) -> None:
+    def _op_row(self, slot, tokens: np.ndarray) -> None:
+        row = np.zeros(self.n_ctx, np.int32)
+        row[:len(tokens)] = tokens
         self.history = self.compiled.get("row", 0, 0)(self.history, np.int32(slot), row)
 
     def _op_forward(self, kind: str, t: int, window: int, *arrays: np.ndarray) -> jax.Array:
@@ -109,9 +127,7 @@ class Runner:
     # --- the scheduler's runner ---------------------------------------------------------------------
 
     def start_sequence(self, seq: SchedSequence) -> None:
-        row = np.zeros(self.n_ctx, np.int32)
-        row[:len(seq.tokens)] = seq.tokens
-        self._op("row", int(seq.slot), row)
+        self._op("row", int(seq.slot), np.asarray(seq.tokens, np.int32))
 
     def _table(self, seqs: list[SchedSequence], rows: int) -> np.ndarray:
         table = np.zeros((rows, self.max_pages), np.int32)
@@ -176,7 +192,7 @@ class Runner:
         return self._select(f"vselect{tokens}", seqs, logits, slots, lengths, steps, drafted, n_new)
 
     def read_verify(self, seqs: list[SchedSequence], sampled: Sampled, drafts: list[list[int]]) -> list[Tokens]:
-        out = _to_host(sampled)
+        out = self._host(sampled)
         return [[_entry(out, (i, j), seq.request.params.n_probs) for j in range(1 + len(draft))]
                 for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True))]
 
@@ -214,7 +230,7 @@ class Runner:
         return out
 
     def read(self, seqs: list[SchedSequence], sampled: Sampled) -> Tokens:
-        out = _to_host(sampled)
+        out = self._host(sampled)
         return [_entry(out, (i,), seq.request.params.n_probs) for i, seq in enumerate(seqs)]
 
     def needs_host(self, seqs: list[SchedSequence]) -> bool:

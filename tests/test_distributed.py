@@ -63,6 +63,8 @@ def test_cluster_flags_are_checked(monkeypatch):
         serve_options(config, num_processes=2, coordinator="127.0.0.1:9")
     with pytest.raises(ConfigInvalid, match="without --num-processes"):
         serve_options(config, native=True, process_id=1)
+    with pytest.raises(ConfigInvalid, match="serve the whole model alone"):
+        serve_options(config, native=True, coordinator="127.0.0.1:9")
     options = serve_options(config, native=True, num_processes=2, process_id=1, coordinator="127.0.0.1:9")
     assert options.cluster == ("127.0.0.1:9", 2, 1)
     assert serve_options(config, native=True).cluster is None
