@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10  # a process silent this long is dead to the others (JAX's default: 100 s)
 JOIN_TIMEOUT_S = 300  # every process must join within this (JAX's initialization_timeout)
+COMPILE_TIMEOUT_S = 1800  # how long the others wait for the slowest process to compile a program
 KEEP_OPS = 4096  # published steps kept in the store for a slow follower; older ones are deleted
 POLL_MS = 1000
 
@@ -148,6 +149,17 @@ class Lockstep:
         self._client = _client()
         self._n = 0
         self._lock = threading.Lock()
+        self._seen: set[tuple] = set()  # the programs every process has compiled
+
+    def compiled(self, key: tuple) -> None:
+        """Before a program's first run anywhere: wait until every process has compiled it. A program's
+        collectives give a late process 30 s (gloo's, fixed in XLA), and a compile on a busy machine, or
+        one a follower's warm-up still holds, takes longer. Every process sees the same programs in the
+        same order, so each reaches the same barriers; the ones after are free."""
+        if key in self._seen:
+            return
+        self._client.wait_at_barrier(f"bankml/compiled/{len(self._seen)}", COMPILE_TIMEOUT_S * 1000)
+        self._seen.add(key)
 
     def publish(self, op: str, args: tuple) -> None:
         with self._lock:
@@ -230,6 +242,7 @@ def follow(path: str, load: Callable[..., tuple[Any, str]]) -> int:
         compiling = engine.compile_in_background()
         lockstep = Lockstep()
         runner = engine.runner
+        runner.barrier = lockstep.compiled
         while True:
             op, args = lockstep.receive()
             if op == "stop":
@@ -275,4 +288,5 @@ def lead(runner) -> None:
 
     lockstep = Lockstep()
     runner.lockstep = lockstep
+    runner.barrier = lockstep.compiled
     atexit.register(lambda: lockstep.publish("stop", ()))

@@ -70,6 +70,7 @@ class Runner:
         self._logits: jax.Array | None = None  # the last forward step's, until it is sampled
         self.lockstep = None  # process 0 of several (model/distributed.py): each op is published first
         self.out_of_step = False  # an op failed here after it was published: the processes no longer agree
+        self.barrier = None  # across processes: waits until every process has compiled a program (first run)
 
     # --- the device programs, by name: what another process replays --------------------------------
 
@@ -93,6 +94,12 @@ class Runner:
                 self.out_of_step = True
             raise
 
+    def _program(self, kind: str, t: int, window: int):
+        program = self.compiled.get(kind, t, window)
+        if self.barrier is not None:
+            self.barrier((kind, t, window))
+        return program
+
     def apply(self, name: str, args: tuple) -> None:
         """Run an op process 0 published (model/distributed.py's follower)."""
         if name not in OPS:
@@ -102,18 +109,18 @@ class Runner:
     def _op_row(self, slot, tokens: np.ndarray) -> None:
         row = np.zeros(self.n_ctx, np.int32)
         row[:len(tokens)] = tokens
-        self.history = self.compiled.get("row", 0, 0)(self.history, np.int32(slot), row)
+        self.history = self._program("row", 0, 0)(self.history, np.int32(slot), row)
 
     def _op_forward(self, kind: str, t: int, window: int, *arrays: np.ndarray) -> jax.Array:
         """A prefill, decode or verify{T} program; its logits stay here for the sampler."""
         extra = (self.history,) if kind == "decode" else ()
-        self.pool, self._logits = self.compiled.get(kind, t, window)(self.weights, self.pool, *extra, *arrays)
+        self.pool, self._logits = self._program(kind, t, window)(self.weights, self.pool, *extra, *arrays)
         return self._logits
 
     def _op_sample(self, kind: str, b: int, bias_rows: int, sa, post, at, pre, *rows: np.ndarray) -> Sampled:
         """A select or vselect{T} program over the last forward step's logits."""
         logits, self._logits = self._logits, None
-        out, self.history = self.compiled.get(kind, b, bias_rows)(logits, sa, self.history, *rows, post, at, pre)
+        out, self.history = self._program(kind, b, bias_rows)(logits, sa, self.history, *rows, post, at, pre)
         return out
 
     def _op_reset(self) -> None:

@@ -51,6 +51,42 @@ def test_ops_cross_as_json_and_npz_without_pickle():
         distributed.encode("forward", (object(),))
 
 
+def test_every_process_compiles_a_program_before_its_first_run(monkeypatch):
+    """A program's collectives give a late process 30 s (gloo's): before a program first runs, every
+    process waits at a barrier until all have compiled it; the same program later runs without one."""
+    calls = []
+
+    class Client:
+        def wait_at_barrier(self, name, timeout_ms):
+            calls.append((name, timeout_ms))
+
+    monkeypatch.setattr(distributed, "_client", Client)
+    lockstep = distributed.Lockstep()
+    for key in [("decode", 1, 4), ("select", 1, 0), ("decode", 1, 4), ("decode", 2, 4), ("select", 1, 0)]:
+        lockstep.compiled(key)
+    assert [name for name, _ in calls] == ["bankml/compiled/0", "bankml/compiled/1", "bankml/compiled/2"]
+    assert all(ms >= 600_000 for _, ms in calls)  # a compile on a busy machine takes minutes
+
+
+def test_the_runner_waits_for_the_others_before_a_program_first_runs(tmp_path):
+    from model.engine import Engine
+
+    engine = Engine.load(write_tiny_gguf(tmp_path / "tiny.gguf"), verified=True, n_ctx=64, max_seqs=2, warmup=False)
+    order = []
+    compile_program = engine.compiled.get
+    engine.compiled.get = lambda *key: order.append(("compiled", key)) or compile_program(*key)
+    engine.runner.barrier = lambda key: order.append(("barrier", key))
+    from model.messages import SamplingParams
+
+    list(engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    ran = {key for what, key in order if what == "compiled"}
+    assert {key[0] for key in ran} >= {"row", "prefill", "select"}
+    assert {key for what, key in order if what == "barrier"} == ran
+    for i, (what, key) in enumerate(order):  # each barrier right after its program's compile
+        if what == "barrier":
+            assert order[i - 1] == ("compiled", key)
+
+
 def test_cluster_flags_are_checked(monkeypatch):
     config = load_config(None)
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
@@ -210,7 +246,7 @@ def test_a_process_that_dies_stops_the_others(bankml_cmd, gemma3_path, gemma3_fo
     cluster = _Cluster(bankml_cmd, gemma3_path, gemma3_fork)
     try:
         server = cluster.leader
-        with httpx.stream("POST", server.url("/completion"), timeout=120,
+        with httpx.stream("POST", server.url("/completion"), timeout=600,
                           json={"prompt": PROMPT, "n_predict": 400, "temperature": 0, "ignore_eos": True,
                                 "stream": True}) as r:
             lines = r.iter_lines()
