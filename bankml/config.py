@@ -96,8 +96,9 @@ class EngineConfig:
     cache_type: str = "f16"
     memory_fraction: float = 0.75  # share of device memory the server may take (the limiter)
     max_prefill_bucket: int = 512  # longest prefill chunk; prompts are padded to powers of two up to it
-    # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off)
-    compile_cache_dir: str = "~/.cache/bankml/xla"
+    # JAX's persistent compilation cache: a restart reuses the compiled programs ("" = off); `{cache}` is
+    # $BANKML_CACHE_DIR, else $XDG_CACHE_HOME/bankml, else ~/.cache/bankml
+    compile_cache_dir: str = "{cache}/xla"
     # speculative decoding (model/speculative.py), llama-server's flags of the same names: --spec-type
     # "none" or "ngram-simple" (drafts from the sequence's own n-grams: the last spec_ngram_size_n tokens
     # looked up, up to spec_ngram_size_m tokens after them drafted); --draft-max / --draft-min, a request's

@@ -26,10 +26,19 @@ class FetchError(Exception):
     pass
 
 
+def cache_dir() -> Path:
+    """What bankml keeps and can make again (models, compiled programs): $BANKML_CACHE_DIR, else
+    $XDG_CACHE_HOME/bankml (an absolute one, as the XDG spec says), else ~/.cache/bankml."""
+    env, xdg = os.environ.get("BANKML_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME")
+    if env:
+        return Path(env)
+    return Path(xdg) / "bankml" if xdg and os.path.isabs(xdg) else Path.home() / ".cache" / "bankml"
+
+
 def models_dir() -> Path:
-    """Where models live: $BANKML_MODELS, else ~/.cache/bankml/models."""
+    """Where models live: $BANKML_MODELS, else `cache_dir()`/models."""
     env = os.environ.get("BANKML_MODELS")
-    return Path(env) if env else Path.home() / ".cache" / "bankml" / "models"
+    return Path(env) if env else cache_dir() / "models"
 
 
 def shipped_fork_path() -> Path:

@@ -28,6 +28,7 @@ from sanic import Sanic
 
 from bankml import __version__
 from bankml.config import EngineConfig, ServeOptions
+from bankml.default_model import cache_dir
 from bankml.errors import ConfigInvalid, refuse_start
 from bankml.signing import ReceiptKey
 from bankml.verify import GatedModel
@@ -225,8 +226,11 @@ def native_estimate(n_ctx: int, engine: EngineConfig) -> Estimate:
 
 
 def compile_cache_path(setting: str) -> str | None:
-    """[engine] compile_cache_dir: "" turns JAX's persistent compilation cache off; `~` is expanded."""
-    return os.path.expanduser(setting) if setting else None
+    """[engine] compile_cache_dir: "" turns JAX's persistent compilation cache off; `{cache}` is
+    bankml's cache directory (bankml/default_model.py's `cache_dir`), `~` is expanded."""
+    if not setting:
+        return None
+    return os.path.expanduser(setting.replace("{cache}", os.fspath(cache_dir())))
 
 
 def native_monitoring(state: GatewayState) -> Monitoring:

@@ -166,3 +166,27 @@ def test_wide_vectors_are_preferred_only_on_avx512_and_never_over_an_operator(mo
     assert not prefer_wide_vectors(own, avx512) and own["XLA_FLAGS"] == "--xla_cpu_prefer_vector_width=256"
     plain = {}
     assert not prefer_wide_vectors(plain, "flags\t\t: fpu sse avx2\n") and "XLA_FLAGS" not in plain
+
+
+def test_the_cache_follows_bankml_cache_dir_then_xdg(monkeypatch, tmp_path):
+    """Models and compiled programs live under one cache directory: $BANKML_CACHE_DIR, else
+    $XDG_CACHE_HOME/bankml (absolute only), else ~/.cache/bankml; $BANKML_MODELS still moves the models."""
+    from bankml.default_model import cache_dir, models_dir
+    from gateway.app import compile_cache_path
+
+    for name in ("BANKML_CACHE_DIR", "XDG_CACHE_HOME", "BANKML_MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = load_config(None).engine.compile_cache_dir
+    assert compile_cache_path(default) == str(tmp_path / "home" / ".cache" / "bankml" / "xla")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
+    assert cache_dir() == tmp_path / "home" / ".cache" / "bankml"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_path(default) == str(tmp_path / "xdg" / "bankml" / "xla")
+    monkeypatch.setenv("BANKML_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache_path(default) == str(tmp_path / "mine" / "xla")
+    assert models_dir() == tmp_path / "mine" / "models"
+    monkeypatch.setenv("BANKML_MODELS", str(tmp_path / "models"))
+    assert models_dir() == tmp_path / "models"
+    assert compile_cache_path("") is None  # off
+    assert compile_cache_path("~/x") == str(tmp_path / "home" / "x")
