@@ -14,11 +14,16 @@ Two kinds of series:
   limiter. A value the monitor could not read is left out, not written as 0: an absent series is
   Prometheus's "unknown". In front of llama-server (P0) no engine runs here, so the engine's series
   are absent (llama-server's own /metrics has them).
+- beside them, under vLLM's exact names, what an inference router's endpoint picker scrapes (GAIE's
+  model-server protocol): `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+  `vllm:kv_cache_usage_perc` (a 0..1 fraction, as vLLM's), `vllm:cache_config_info{block_size,num_gpu_blocks}`
+  and `vllm:lora_requests_info` (no adapters); the same readings as the `bankml_*` gauges, on by default.
 Chart `rate()` of the joule counters rather than the sampled watts.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -50,12 +55,15 @@ class UsageCollector:
 
     def collect(self) -> Iterable[Metric]:
         flights = self._flights()
+        stats = self._engine()
+        info = dict(self._info())
         if flights is not None:  # None: no engine in this process (P0)
             running, waiting = flights
             yield GaugeMetricFamily("bankml_requests_running", "Requests holding a sequence on the engine now.",
                                     running)
             yield GaugeMetricFamily("bankml_requests_waiting", "Requests queued for a sequence (FIFO).", waiting)
-        yield from self._scheduler(self._engine())
+            yield from _routing_signals(running, waiting, stats, info.get("model", ""))
+        yield from self._scheduler(stats)
         energy = self._energy()
         if energy is not None:  # absent until an answer's energy was measured: never a fake 0 J
             yield CounterMetricFamily("bankml_answer_energy_joules",
@@ -63,7 +71,6 @@ class UsageCollector:
             yield CounterMetricFamily("bankml_answer_energy_tokens",
                                       "Completion tokens of the answers whose energy was measured "
                                       "(J/token = rate of the joules / rate of these).", energy[1])
-        info = dict(self._info())
         if info:
             g = GaugeMetricFamily("bankml_model_info", "The verified model being served (always 1).",
                                   labels=list(info))
@@ -200,6 +207,37 @@ class UsageCollector:
                 g = GaugeMetricFamily(name, doc, labels=["device"])
                 g.add_metric(labels, lim[key])
                 yield g
+
+
+def _routing_signals(running: int, waiting: int, stats: EngineStats | None, model: str) -> Iterable[Metric]:
+    """The gauges an inference router scrapes (the Gateway API Inference Extension's model-server protocol,
+    docs/proposals/003-model-server-protocol, and llm-d's scorers), under vLLM's own names and labels
+    (vllm/v1/metrics/loggers.py), so an endpoint picker's defaults find them: the same readings as the
+    `bankml_*` series beside them, never a second source. docs/routing-signals.md has a configuration."""
+    labels, values = ["model_name", "engine"], [model, "0"]  # vLLM's: served model, engine index
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric(values, value)
+        return g
+
+    yield gauge("vllm:num_requests_running", "bankml_requests_running, under vLLM's name.", running)
+    yield gauge("vllm:num_requests_waiting", "bankml_requests_waiting, under vLLM's name.", waiting)
+    if stats is not None and stats.pages_total > 0:
+        # a fraction, 0..1, as vLLM exports it despite the name (GAIE's KVCacheUtilization)
+        yield gauge("vllm:kv_cache_usage_perc", "bankml_kv_cache_usage_ratio, under vLLM's name (0..1).",
+                    stats.kv_usage_ratio)
+        # GAIE's optional BlockSize and NumGPUBlocks, for its prefix-cache scorer (an info gauge: always 1)
+        cache = GaugeMetricFamily("vllm:cache_config_info", "The KV pool's page size and pages, as vLLM's "
+                                  "CacheConfig labels (always 1).", labels=["block_size", "num_gpu_blocks", "engine"])
+        cache.add_metric([str(stats.page_size), str(stats.pages_total), "0"], 1)
+        yield cache
+    # no adapters are served: empty lists and no room for one; the value is the scrape's time, as vLLM's
+    # set_to_current_time, so a picker that takes the newest sample reads this one
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting (none: bankML serves "
+                             "no adapters).", labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    lora.add_metric(["0", "", ""], time.time())
+    yield lora
 
 
 class PromMetrics:
