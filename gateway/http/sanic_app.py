@@ -20,6 +20,7 @@ work, and `app.ctx.liveness` (also `liveness.serving()`) reads it with the engin
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +29,7 @@ from urllib.parse import parse_qs
 from sanic import Sanic
 from sanic.exceptions import NotFound
 
+from gateway.http import access_log as access_log_
 from gateway.http.errors import GatewayErrorHandler
 from gateway.http.liveness import Liveness, WorkerPool
 from gateway.http.loopback import Limits
@@ -49,9 +51,11 @@ def query_of(request) -> dict[str, list[str]]:
 
 
 def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler], routes_text: str,
-              state: Any, shutdown: Shutdown | None = None) -> Sanic:
+              state: Any, shutdown: Shutdown | None = None, *, access_log: bool = True) -> Sanic:
     """With `shutdown`, a stop (SIGTERM, SIGINT) ends the connections of its listeners gracefully
-    (loopback.Shutdown) before Sanic's own shutdown runs."""
+    (loopback.Shutdown) before Sanic's own shutdown runs. `access_log`: a line per request
+    (gateway/http/access_log.py)."""
+    os.environ.setdefault("SANIC_IGNORE_PRODUCTION_WARNING", "1")  # its "consider --debug or --dev": not our flags
     app = Sanic(name, configure_logging=False, error_handler=GatewayErrorHandler(routes_text))
     app.config.update({
         "REQUEST_MAX_SIZE": limits.max_body_bytes,
@@ -87,6 +91,23 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
             await shutdown.stop()
 
     async def dispatch(request, path: str = ""):
+        if not access_log:
+            return await route(request)
+        entry, t0 = access_log_.begin()
+        status = None
+        try:
+            response = await route(request)
+            status = getattr(response, "status", None)
+            return response
+        except Exception as e:
+            status = getattr(e, "status_code", 500)
+            raise
+        finally:
+            if status is None:  # a stream: the route sent its answer itself
+                status = getattr(getattr(getattr(request, "stream", None), "response", None), "status", None)
+            access_log_.write(request.method, request.path, status, entry, t0)
+
+    async def route(request):
         # paths match exactly, raw: `?query`, a trailing / or %-escapes are 404, as in the Rust bankml
         target = request.raw_url.decode("latin-1")
         handler = routes.get((request.method, target))

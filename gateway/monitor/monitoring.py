@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from bankml import __version__
 from bankml.errors import Overloaded
+from gateway.http import access_log
 from gateway.monitor.answer_metrics import MetricsRing, answer_record
 from gateway.monitor.prometheus import PromMetrics
 from gpu_monitor.readings import rounded
@@ -79,6 +80,7 @@ class Answer:
     def record(self, model: str, last: StepOutput) -> dict[str, Any]:
         """Push the completed answer's record (ring and Prometheus) and return it."""
         rec = answer_record(model, last)
+        access_log.note_answer(model, last.prompt_tokens, last.completion_tokens)
         m = self._monitoring
         m.ring.append(rec)
         latency_ms = last.timeline.latency_ms if last.timeline else 0.0

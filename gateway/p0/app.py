@@ -156,10 +156,11 @@ ROUTES_TEXT = ("bankml serve: GET / /bankml /bankml/receipt-key /bankml/usage /b
 ROOT_TEXT = "bankml is running (in front of llama-server)"  # GET / for clients that are not browsers
 
 
-def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutdown: Shutdown | None = None) -> Sanic:
+def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutdown: Shutdown | None = None, *,
+                  access_log: bool = True) -> Sanic:
     """With `shutdown`, a stop signal while serving ends the connections gracefully (the answers in
     flight need llama-server, so it is stopped after them); without, at once, as during start-up."""
-    app = sanic_app(name, limits, ROUTES, ROUTES_TEXT, state)
+    app = sanic_app(name, limits, ROUTES, ROUTES_TEXT, state, access_log=access_log)
 
     @app.before_server_start
     async def open_upstream(app):
@@ -261,7 +262,7 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
     state.monitoring = p0_monitoring(state)
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     shutdown.add_listener(sock)
-    app = create_p0_app(state, limits, shutdown=shutdown)
+    app = create_p0_app(state, limits, shutdown=shutdown, access_log=options.config.serve.access_log)
     access = Access.of(options.api_keys, options.allowed_origins)  # the keys and origins, as --native's
     app.prepare(sock=sock, protocol=make_protocol(limits, shutdown, access), single_process=True, motd=False,
                 access_log=False, register_sys_signals=False)
