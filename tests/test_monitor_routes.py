@@ -114,7 +114,7 @@ def test_status_says_what_was_verified_with_usage_and_answers(server, pinned):
     n = 2 + len(bankml)
     assert list(s)[:2] == ["bankml", "at"] and list(s)[2:n] == list(bankml)
     assert s["verified"]["model_sha256"] == json.loads(pinned[1].read_text())["files"][0]["sha256"]
-    assert list(s)[n:] == ["serve", "usage", "metrics"] and s["serve"]["mode"] == "native"
+    assert list(s)[n:] == ["serve", "usage", "metrics", "dashboard"] and s["serve"]["mode"] == "native"
     assert list(s["usage"]) == USAGE_KEYS and list(s["metrics"]) == METRICS_KEYS
     assert 1 <= len(s["metrics"]["records"]) <= 20 and s["metrics"]["kept"] >= len(s["metrics"]["records"])
 

@@ -130,11 +130,15 @@ def test_the_page_renders_the_model_usage_and_answers(served, tmp_path):
 
 def test_with_an_api_key_the_page_reads_it_from_its_fragment(tmp_path):
     """--api-key: the page itself is public, its /bankml/status fetch needs the key, which the page takes
-    from /#key=KEY (a fragment never reaches the server); without it the page says what to do."""
+    from /#key=KEY (a fragment never reaches the server); without it the page says what to do. The page
+    is served without the state it carries otherwise (what /bankml/status would say without a key)."""
     exe = chromium()
     model, fork = tiny_model(tmp_path / "m")
     server = EdgeServer(model, fork, "--api-key", "s3cret-key")
     try:
+        served = httpx.get(server.url("/"), headers={"Accept": "text/html"}).text
+        assert '<script type="application/json" id="initial">null</script>' in served
+        assert json.loads(fork.read_text())["files"][0]["sha256"] not in served
         bare = Cells()
         bare.feed(browse(exe, tmp_path / "p1", server.url("/"), "--dump-dom").stdout)
         assert "HTTP 401" in bare.by_id["live"] and "#key=" in bare.by_id["live"]
@@ -160,8 +164,13 @@ def test_gpu_rows_render_from_a_machine_with_gpus(tmp_path):
                       processes=[("bankml serve", 100)], window_s=0.01)
     monitoring = Monitoring(monitor, whoami=lambda: {"verified": {"model_sha256": "ab" * 32}, "model": "/m.gguf"},
                             mode="p0", root_text="x")
-    status = jstr.dumps(asyncio.run(monitoring.status())).encode()
+    state = asyncio.run(monitoring.status())
     monitoring.close()
+    state["usage"]["gpu_limiter"] = {  # as an engine on a GPU reports it (gpu_monitor/limiter.py)
+        "limit": 0.75, "allocated_bytes": 2 << 30, "heap_bytes": None, "limit_bytes": 100 << 30, "peak_bytes": None,
+        "sequences_max": 4, "sequences_in_use": 1, "device": "cuda:0", "source": "jax memory_stats",
+        "unavailable": {}}
+    status = jstr.dumps(state).encode()
 
     class Page(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -190,4 +199,10 @@ def test_gpu_rows_render_from_a_machine_with_gpus(tmp_path):
     assert gpus[1][1:4] == ["NVIDIA H200", "37", "10.0 GiB / 140 GiB"]
     assert (gpus[1][5], gpus[1][7], gpus[1][8]) == ("250.0", "41", "sw_power_cap")
     assert gpus[0][5] == "not measured" and page.by_id["mode"] == "in front of llama-server"
-    assert page.rows["limiter-table"][-1] == ["no engine runs in this process"]
+    assert page.rows["limiter-table"][:2] == [["device", "cuda:0"], ["GPU memory share allowed", "75 %"]]
+    # the charts: a memory line per GPU pool, a power line per GPU, the card without a power reading says why
+    legend = " ".join(re.sub(r"<[^>]+>", "", li) for li in re.findall(r"<li>(.*?)</li>", r.stdout))
+    for shown in ("card0 VRAM: 1.0 GiB", "card0 GTT: 0 B", "nvml0 VRAM: 10.0 GiB", "nvml0: 250.0 W",
+                  "card0: not measured here, because ", "running: not measured here, because no engine runs in "
+                  "this process"):
+        assert shown in legend, shown

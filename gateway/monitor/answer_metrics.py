@@ -13,11 +13,13 @@ that speculative decoding drafted for ends with `draft_n` and `draft_n_accepted`
 tokens drafted and checked, and of those kept).
 
 Totals are sums over the kept records (energy over the measured ones), so they fall as records age out;
-lifetime counters live in Prometheus (gateway/monitor/prometheus.py).
+lifetime counters live in Prometheus (gateway/monitor/prometheus.py). `ttft_percentiles` gives the status
+page's time-to-first-token chart its p50 and p95 over the answers of the last minute.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -112,3 +114,17 @@ class MetricsRing:
             else None,
             "records": records,
         }
+
+    def ttft_percentiles(self, now: float, window_s: float) -> dict[str, Any]:
+        """p50 and p95 of `ttft_ms` over the kept answers that completed in the last `window_s` seconds
+        (nearest rank, so each is a measured value); null with the reason when none had a first token."""
+        with self._lock:
+            ttfts = sorted(r["ttft_ms"] for r in self.records
+                           if r["at"] >= now - window_s and r["ttft_ms"] is not None)
+        out: dict[str, Any] = {"window_s": window_s, "answers": len(ttfts), "p50_ms": None, "p95_ms": None}
+        if not ttfts:
+            out["unavailable"] = f"no answer with text completed in the last {window_s:g} s"
+            return out
+        for key, q in (("p50_ms", 0.50), ("p95_ms", 0.95)):
+            out[key] = ttfts[max(0, math.ceil(q * len(ttfts)) - 1)]
+        return out

@@ -37,6 +37,7 @@ from gpu_monitor.sample import Monitor
 from model.messages import EngineStats, StepOutput
 
 STATUS_RECORDS = 20  # the status page shows the last answers, not the whole ring
+TTFT_WINDOW_S = 60.0  # the status page's TTFT percentiles: over the answers of the last minute
 
 
 class Counted(Protocol):
@@ -54,6 +55,33 @@ class Engines(Protocol):
     def threads(self) -> list[Counted]: ...
 
     def most_recent(self) -> Any: ...  # a Loaded (its `client`, a Counted), or None
+
+
+class Totals:
+    """What the completed answers add up to since the server started (never falls, as Prometheus' counters
+    fed from the same records): the status page charts rates as their change from one poll to a later one."""
+
+    def __init__(self) -> None:
+        self.answers = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.measured = 0  # answers whose energy was measured,
+        self.energy_j = 0.0  # their energy,
+        self.energy_tokens = 0  # and their completion tokens (J/token = the change of one over the other's)
+
+    def add(self, rec: Mapping[str, Any]) -> None:
+        self.answers += 1
+        self.prompt_tokens += rec["prompt_tokens"]
+        self.cached_tokens += rec["cached_tokens"]
+        self.completion_tokens += rec["completion_tokens"]
+        if rec["energy_j"] is not None:
+            self.measured += 1
+            self.energy_j += max(0.0, rec["energy_j"])
+            self.energy_tokens += rec["completion_tokens"]
+
+    def json_dict(self) -> dict[str, Any]:
+        return {"answers": self.answers, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens,
+                "energy_j": rounded(self.energy_j, 3) if self.measured else None,
+                "energy_tokens": self.energy_tokens}
 
 
 class Answer:
@@ -83,6 +111,7 @@ class Answer:
         access_log.note_answer(model, last.prompt_tokens, last.completion_tokens)
         m = self._monitoring
         m.ring.append(rec)
+        m.totals.add(rec)
         latency_ms = last.timeline.latency_ms if last.timeline else 0.0
         m.prom.observe_answer(rec, ttft_s=None if last.ttft_ms is None else last.ttft_ms / 1e3,
                               latency_s=latency_ms / 1e3)
@@ -108,6 +137,7 @@ class Monitoring:
         if engine_thread is not None:
             engine_thread.meter = self.meter
         self.ring = MetricsRing()
+        self.totals = Totals()
         self.prom = PromMetrics(self.flights, self._model_info, self.engine_stats)
         self.started_s = time.monotonic()
 
@@ -166,22 +196,43 @@ class Monitoring:
         return {"model": os.path.basename(str(info.get("model") or "")), "sha256": verified.get("model_sha256", ""),
                 "arch": verified.get("arch") or "", "engine": str(info.get("engine") or "")}
 
+    def _kv_cache(self) -> dict[str, Any]:
+        """The KV pool and prefix cache, from the scheduler's last snapshot (the prefix counters are
+        cumulative: the page charts the hit rate between two polls)."""
+        stats = self.engine_stats()
+        if stats is None:
+            why = ("no engine runs in this process (llama-server has its own cache)" if self._threads() is None
+                   else "no engine has run yet")
+            return {"unavailable": why}
+        out: dict[str, Any] = {"prefix_queries_tokens": stats.prefix_queries_tokens,
+                               "prefix_hits_tokens": stats.prefix_hits_tokens}
+        if stats.pages_total > 0:
+            out.update(usage_ratio=rounded(stats.kv_usage_ratio, 4), page_size=stats.page_size,
+                       pages_total=stats.pages_total, pages_used=stats.pages_used, pages_cached=stats.pages_cached)
+        else:
+            out["unavailable"] = "this engine keeps no paged KV pool"
+        return out
+
     async def status(self) -> dict[str, Any]:
-        """`GET /bankml/status`: what the status page shows, in one answer."""
+        """`GET /bankml/status`: what the status page shows, in one answer; `dashboard` is what its charts
+        read beside the rest: lifetime totals, TTFT percentiles over the last minute, the KV cache."""
         usage = await self.monitor.get_usage()
         metrics = self.ring.json_dict()
         kept = metrics["records"]
         metrics["records"] = kept[-STATUS_RECORDS:]
         running, waiting = self.flights() or (None, None)
+        now = time.time()
         return {
             "bankml": __version__,
-            "at": rounded(time.time(), 3),
+            "at": rounded(now, 3),
             **self.whoami(),
             "serve": {"mode": self.mode, "pid": os.getpid(),
                       "uptime_s": rounded(time.monotonic() - self.started_s, 1),
                       "energy_device": self.meter.device, "requests_running": running, "requests_waiting": waiting},
             "usage": usage,
             "metrics": metrics,
+            "dashboard": {"totals": self.totals.json_dict(), "ttft": self.ring.ttft_percentiles(now, TTFT_WINDOW_S),
+                          "kv_cache": self._kv_cache()},
         }
 
     def close(self) -> None:

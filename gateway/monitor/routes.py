@@ -7,7 +7,10 @@
 - `GET /` (and HEAD): the status page for a browser (its Accept names text/html), else one line of
   text for API clients.
 The page is gateway/static/status.{html,css,js}, inlined into one document when first served: no
-build step, no second request, no URL outside this server.
+build step, no second request, no URL outside this server. Each page carries the /bankml/status answer
+of the moment it was served (a JSON script element), so its first paint shows real values before its
+first poll; except where API keys are required: the page is public, /bankml/status is not, so the page
+then carries nothing and its script asks with the key (`#key=KEY`).
 """
 
 from __future__ import annotations
@@ -20,14 +23,36 @@ from sanic import HTTPResponse
 from bankml import jstr
 from gateway.http.errors import json_response, text_response
 
+INITIAL = "/*STATUS_INITIAL*/"  # in status.html, inside <script type="application/json" id="initial">
+# JSON in a script element must not end it: a "</script>" or "<!--" in a string (a model's name, a
+# reason) would, so every "<" is written as JSON's "\u003c" (">" and "&" too, as is customary)
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
 
 @cache
-def status_page() -> bytes:
+def _page_parts() -> tuple[bytes, bytes]:
+    """The page around its initial state: (before, after)."""
     static = resources.files("gateway") / "static"
     html = (static / "status.html").read_text("utf-8")
     css = (static / "status.css").read_text("utf-8")
     js = (static / "status.js").read_text("utf-8")
-    return html.replace("/*STATUS_CSS*/", css).replace("/*STATUS_JS*/", js).encode("utf-8")
+    before, _, after = html.partition(INITIAL)
+    return (before.replace("/*STATUS_CSS*/", css).encode("utf-8"),
+            after.replace("/*STATUS_JS*/", js).encode("utf-8"))
+
+
+def status_page(initial: dict | None = None) -> bytes:
+    """The page, carrying `initial` (a /bankml/status answer) for its first paint; without it, `null`."""
+    before, after = _page_parts()
+    data = "null" if initial is None else jstr.dumps(initial).translate(_SCRIPT_SAFE)
+    return before + data.encode("utf-8") + after
+
+
+def keys_required(request) -> bool:
+    """Whether this connection's rules ask an API key of /bankml/status (the protocol holds them,
+    gateway/http/access.py; a connection without such rules, as a test client's, asks none)."""
+    access = getattr(request.protocol, "access", None)
+    return access is not None and access.keys_required
 
 
 def wants_html(accept: str | None) -> bool:
@@ -46,7 +71,10 @@ def wants_html(accept: str | None) -> bool:
 
 async def root(request, state):
     if wants_html(request.headers.get("accept")):
-        return HTTPResponse(status_page(), content_type="text/html; charset=utf-8",
+        initial = None
+        if request.method == "GET" and not keys_required(request):
+            initial = await state.monitoring.status()
+        return HTTPResponse(status_page(initial), content_type="text/html; charset=utf-8",
                             headers={"Cache-Control": "no-cache"})
     return text_response(state.monitoring.root_text, 200)
 
