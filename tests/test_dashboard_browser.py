@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import FakeServer, tiny_model
+from gateway_helpers import CliServer, FakeServer, tiny_model
 from test_status_page import Cells, browse, chromium
 
 from gateway.monitor.routes import status_page
@@ -88,12 +88,27 @@ def legend(dom: str, chart: str) -> dict[str, str]:
     return dict(item.split(": ", 1) for item in items)
 
 
+def keep_screenshot(exe: str, tmp_path: Path, url: str, name: str) -> None:
+    """A screenshot of the page under pytest's tmp_path, copied to $BANKML_ARTIFACTS when that is set."""
+    shot = tmp_path / name
+    taken = browse(exe, tmp_path / "profile", url, f"--screenshot={shot}", "--window-size=1280,1500")
+    assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
+    print(f"dashboard screenshot: {shot}")
+    if os.environ.get("BANKML_ARTIFACTS"):
+        kept = Path(os.environ["BANKML_ARTIFACTS"]) / name
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, kept)
+        print(f"dashboard screenshot kept: {kept}")
+
+
 def rate(record: dict) -> str:
     """The answers table's prompt tok/s cell, as the page words it (status.js promptRate)."""
     uncached = record["prompt_tokens"] - record["cached_tokens"]
     if record["cached_tokens"] > 0 and uncached <= 4:
         return f"cached, {uncached} new" if uncached else "cached"
-    return "not measured" if record["prompt_tps"] is None else f"{record['prompt_tps']:.2f}"
+    if record["prompt_tps"] is None:
+        return "not measured"
+    return f"{record['prompt_tps']:.2f}" + (f" ({uncached} new)" if record["cached_tokens"] else "")
 
 
 def test_the_page_carries_the_state_it_was_served_with(served):
@@ -145,16 +160,8 @@ def test_charts_fill_while_answers_are_made_and_agree_with_the_server(served, tm
         before, _ = read(server)
         r = browse(exe, tmp_path / "profile", url, "--dump-dom")
         after, usage = read(server)
-        shot = tmp_path / "dashboard.png"
-        taken = browse(exe, tmp_path / "profile", url, f"--screenshot={shot}", "--window-size=1280,1500")
+        keep_screenshot(exe, tmp_path, url, "dashboard.png")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr[-2000:]
-    print(f"dashboard screenshot: {shot}")
-    if os.environ.get("BANKML_ARTIFACTS"):
-        kept = Path(os.environ["BANKML_ARTIFACTS"]) / "dashboard.png"
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(shot, kept)
-        print(f"dashboard screenshot kept: {kept}")
 
     dom = r.stdout
     page = Cells()
@@ -196,3 +203,63 @@ def test_charts_fill_while_answers_are_made_and_agree_with_the_server(served, tm
     if usage["package_watts"] is None:
         assert legend(dom, "power")["CPU package"] == "not measured here, because " + why["package_watts"]
     assert legend(dom, "cache")["pool in use"] == "not measured here, because this engine keeps no paged KV pool"
+
+
+def test_the_dashboard_block_adds_up_as_the_metrics_do(served):
+    """/bankml/status' dashboard: lifetime totals as Prometheus' counters and the ring's sums (fewer than
+    256 answers here), TTFT p50/p95 by nearest rank over the last minute's records."""
+    server, _ = served
+    for _ in range(3):
+        httpx.post(server.url("/v1/chat/completions"), json=HI, timeout=30)
+    d = httpx.get(server.url("/bankml/status")).json()["dashboard"]
+    m, _ = read(server)
+    prom = httpx.get(server.url("/metrics")).text
+    counter = {name: float(v) for name, v in re.findall(r"^(bankml_\w+_total) (\S+)$", prom, re.M)}
+    t = d["totals"]
+    assert (t["answers"], t["prompt_tokens"], t["completion_tokens"]) == (m["kept"], m["prompt_tokens"],
+                                                                         m["completion_tokens"])
+    assert (t["prompt_tokens"], t["cached_tokens"], t["completion_tokens"]) == (
+        counter["bankml_prompt_tokens_total"], counter["bankml_prompt_cached_tokens_total"],
+        counter["bankml_completion_tokens_total"])
+    assert t["energy_j"] == m["energy_j"]  # null here: nothing measured, nothing summed
+    ttfts = sorted(r["ttft_ms"] for r in m["records"] if r["at"] >= time.time() - 60 and r["ttft_ms"] is not None)
+    assert d["ttft"]["answers"] == len(ttfts) >= 3 and d["ttft"]["window_s"] == 60
+    assert d["ttft"]["p50_ms"] == ttfts[(len(ttfts) + 1) // 2 - 1] and d["ttft"]["p95_ms"] == ttfts[-(len(ttfts) // 20) - 1]
+    assert d["kv_cache"]["unavailable"] == "this engine keeps no paged KV pool"  # the fake engine's
+
+
+def test_a_real_engine_charts_its_kv_pool_and_prefix_cache(bankml_cmd, tmp_path):
+    """The native engine on a tiny GGUF: a prompt asked again is served from the prefix cache (whole
+    pages), so where its length is a page and a token or few, the answers table says "cached" (not a
+    rate of 1-4 tok/s), and the KV chart draws the pool's use and the hit rate as /bankml/status has them."""
+    exe = chromium()
+    model, fork = tiny_model(tmp_path / "m")
+    server = CliServer(bankml_cmd, str(model), "--fork", str(fork), "--ctx", "256", "--config", "cpu")
+    try:
+        def ask(words: int, max_tokens: int) -> int:
+            body = {"messages": [{"role": "user", "content": "hello " * words}], "max_tokens": max_tokens}
+            r = httpx.post(server.url("/v1/chat/completions"), json=body, timeout=120)
+            assert r.status_code == 200
+            return r.json()["usage"]["prompt_tokens"]
+
+        ask(1, 1)
+        page_size = httpx.get(server.url("/bankml/status")).json()["dashboard"]["kv_cache"]["page_size"]
+        words = next(n for n in range(1, 64) if page_size < (k := ask(n, 1)) and 1 <= k % page_size <= 4)
+        ask(words, 4)  # the same prompt again: all but its last page's token(s) from the cache
+        r = browse(exe, tmp_path / "profile", server.url("/#poll_ms=250"), "--dump-dom")
+        keep_screenshot(exe, tmp_path, server.url("/#poll_ms=250"), "dashboard_engine.png")
+        status = httpx.get(server.url("/bankml/status")).json()
+    finally:
+        server.stop()
+    kv = status["dashboard"]["kv_cache"]
+    assert kv["pages_total"] > 0 and kv["prefix_hits_tokens"] > 0 and "unavailable" not in kv
+    last = status["metrics"]["records"][-1]
+    assert 0 < last["prompt_tokens"] - last["cached_tokens"] <= 4  # the engine recomputes the last token(s)
+    page = Cells()
+    page.feed(r.stdout)
+    newest = page.rows["answers-table"][1]
+    assert newest[5] == rate(last) and newest[5].startswith("cached")
+    cache = legend(r.stdout, "cache")
+    assert cache["pool in use"] == f"{kv['usage_ratio'] * 100:.1f} %"
+    # no prompt between the polls: the hit rate is idle, not absent
+    assert cache["prefix-cache hit rate"] == "no prompt looked up in the last 10 s"

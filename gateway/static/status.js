@@ -304,12 +304,13 @@ function renderVerification(s) {
   show($("model-hashed"), s.hashed_at ? new Date(s.hashed_at * 1000).toLocaleString() : null);
 }
 
-// The prompt rate as the server computes it (uncached tokens over prompt_ms), or "cached" when all but
-// FEW_UNCACHED of the prompt came from the cache.
+// The prompt rate as the server computes it (uncached tokens over prompt_ms), with how many tokens it
+// is over where the cache served the rest, or "cached" when all but FEW_UNCACHED came from the cache.
 function promptRate(r) {
   const uncached = r.prompt_tokens - r.cached_tokens;
   if (r.cached_tokens > 0 && uncached <= FEW_UNCACHED) return uncached ? "cached, " + uncached + " new" : "cached";
-  return num(r.prompt_tps, 2);
+  const rate = num(r.prompt_tps, 2);
+  return rate !== null && r.cached_tokens > 0 ? rate + " (" + uncached + " new)" : rate;
 }
 
 function renderAnswers(m) {
