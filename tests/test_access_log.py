@@ -20,7 +20,7 @@ def _access(server) -> list[re.Match]:
 
 
 def _wait_lines(server, n: int) -> list[re.Match]:
-    server.wait_for_log(r"(?s)" + r"(bankml serve: (GET|POST) .*){%d}" % n)
+    server.wait_for_log(r"(?s)(bankml serve: (GET|POST) .*){" + str(n) + "}")
     return _access(server)
 
 

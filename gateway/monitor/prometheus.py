@@ -2,8 +2,8 @@
 
 Two kinds of series:
 - lifetime, pushed as answers complete (`observe_answer`): counters of answers, prompt, cached and
-  completion tokens, and measured joules with the tokens they paid for; histograms of time to first token, request latency and
-  generation speed. Counters never fall (the /bankml/metrics ring's totals do, as records age out).
+  completion tokens, and measured joules with the tokens they paid for; histograms of time to first token,
+  inter-token latency, request latency (vLLM's buckets) and generation speed. Counters never fall (the /bankml/metrics ring's totals do, as records age out).
 - sampled at scrape time (`UsageCollector`): from the scheduler's last snapshot (EngineStats), the
   requests running and waiting, the KV pool's use, and its cumulative prefix-cache and preemption
   counters (vLLM's names, in our prefix: `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries`,
@@ -23,18 +23,27 @@ Chart `rate()` of the joule counters rather than the sampled watts.
 
 from __future__ import annotations
 
+import itertools
+import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.utils import floatToGoString
 
 from model.messages import EngineStats
 
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so a dashboard made for its histograms reads ours alike
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0)
 
 
@@ -240,6 +249,29 @@ def _routing_signals(running: int, waiting: int, stats: EngineStats | None, mode
     yield lora
 
 
+class GapHistogram:
+    """A histogram that takes n equal observations at once (an answer's token gaps at their mean): O(buckets)
+    per answer, whatever its length."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.bounds = name, doc, (*buckets, math.inf)
+        self._counts = [0] * len(self.bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, n: int = 1) -> None:
+        with self._lock:
+            self._counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += n
+            self._sum += value * n
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative = list(itertools.accumulate(counts))
+        yield HistogramMetricFamily(self.name, self.doc, sum_value=total, buckets=[
+            ("+Inf" if b == math.inf else floatToGoString(b), c) for b, c in zip(self.bounds, cumulative, strict=True)])
+
+
 class PromMetrics:
     """The lifetime series and the sampled ones, in a registry of this app's own."""
 
@@ -267,13 +299,18 @@ class PromMetrics:
         self.latency = Histogram("bankml_request_duration_seconds",
                                  "From the request handed to the engine queue to its last token.",
                                  buckets=LATENCY_BUCKETS_S, registry=r)
+        self.itl = GapHistogram("bankml_inter_token_latency_seconds",
+                                "Between two generated tokens of an answer. Each answer counts its gaps at its "
+                                "mean gap (the engine stamps its first and last token), so _sum and _count are "
+                                "exact and an answer's gaps fall in one bucket.", ITL_BUCKETS_S)
+        r.register(self.itl)
         self.eval_tps = Histogram("bankml_generation_tokens_per_second", "eval_tps of completed answers.",
                                   buckets=TPS_BUCKETS, registry=r)
         self.usage = UsageCollector(flights, info, lambda: self._energy, engine)
         r.register(self.usage)
 
     def observe_answer(self, record: Mapping[str, Any], *, ttft_s: float | None, latency_s: float) -> None:
-        """A completed answer (its /bankml/metrics record)."""
+        """A completed answer (its /bankml/metrics record): its `eval_ms` spans its tokens after the first."""
         self.answers.labels(record["finish"] or "stop").inc()
         self.prompt_tokens.inc(record["prompt_tokens"])
         self.cached_tokens.inc(record["cached_tokens"])
@@ -284,6 +321,9 @@ class PromMetrics:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
         self.latency.observe(latency_s)
+        gaps = record["completion_tokens"] - 1
+        if gaps > 0 and record["eval_ms"]:
+            self.itl.observe(record["eval_ms"] / 1e3 / gaps, gaps)
         if record["eval_tps"] is not None:
             self.eval_tps.observe(record["eval_tps"])
 
