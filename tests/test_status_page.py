@@ -187,8 +187,11 @@ def test_gpu_rows_render_from_a_machine_with_gpus(tmp_path):
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Page)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/"
     try:
-        r = browse(exe, tmp_path / "profile", f"http://127.0.0.1:{httpd.server_address[1]}/", "--dump-dom")
+        r = browse(exe, tmp_path / "profile", url, "--dump-dom")
+        ARTIFACTS.mkdir(exist_ok=True)
+        browse(exe, tmp_path / "profile", url, f"--screenshot={ARTIFACTS / 'status_page_gpus.png'}")
     finally:
         httpd.shutdown()
     page = Cells()
@@ -204,5 +207,6 @@ def test_gpu_rows_render_from_a_machine_with_gpus(tmp_path):
     legend = " ".join(re.sub(r"<[^>]+>", "", li) for li in re.findall(r"<li>(.*?)</li>", r.stdout))
     for shown in ("card0 VRAM: 1.0 GiB", "card0 GTT: 0 B", "nvml0 VRAM: 10.0 GiB", "nvml0: 250.0 W",
                   "card0: not measured here, because ", "running: not measured here, because no engine runs in "
-                  "this process"):
+                  "this process", "generated: not measured here, because llama-server answers here and measures "
+                  "its answers itself"):
         assert shown in legend, shown

@@ -16,7 +16,7 @@ const WINDOW_S = 600;  // the charts keep this long; they span the time they hol
 // A prompt with this few tokens left to compute shows "cached": the rate of one or two tokens is one
 // forward pass's fixed cost (1-4 tok/s on a CPU), not the prompt throughput.
 const FEW_UNCACHED = 4;
-const RATE_S = 10;
+const RATE_S = 10;  // a rate spans at least this much, once the page has held it
 const FIRST = "a rate needs two polls: at the next one";
 const $ = (id) => document.getElementById(id);
 const CHART = $("chart").content;  // a chart's markup (status.html), cloned per chart
@@ -111,12 +111,14 @@ function sample(s, base) {
   const dt = base ? s.at - base.t : 0;
   const fresh = pt && dt > 0 && t.answers >= pt.answers;  // a restarted server's totals start again
   const uncached = (x) => x.prompt_tokens - x.cached_tokens;
-  put("gen", fresh ? (t.completion_tokens - pt.completion_tokens) / dt : null, null, FIRST);
-  put("prompt", fresh ? (uncached(t) - uncached(pt)) / dt : null, null, FIRST);
+  // in front of llama-server, its answers never pass through this process's meters
+  const p0 = s.serve.mode === "native" ? null : "llama-server answers here and measures its answers itself";
+  put("gen", fresh && !p0 ? (t.completion_tokens - pt.completion_tokens) / dt : null, p0, FIRST);
+  put("prompt", fresh && !p0 ? (uncached(t) - uncached(pt)) / dt : null, p0, FIRST);
 
   const within = "answers of the last " + d.ttft.window_s + " s";
-  put("ttft50", d.ttft.p50_ms, null, d.ttft.unavailable);
-  put("ttft95", d.ttft.p95_ms, null, d.ttft.unavailable);
+  put("ttft50", d.ttft.p50_ms, p0, d.ttft.unavailable);
+  put("ttft95", d.ttft.p95_ms, p0, d.ttft.unavailable);
   p.keys.ttft = [["ttft50", "p50 of the " + within], ["ttft95", "p95"]];
 
   const noEngine = "no engine runs in this process (llama-server counts its own)";
@@ -155,7 +157,9 @@ function sample(s, base) {
   }
 
   const last = s.metrics.records.length ? s.metrics.records[s.metrics.records.length - 1] : null;
-  if (t.energy_j === null) {
+  if (p0) {
+    put("jpt", null, p0);
+  } else if (t.energy_j === null) {
     put("jpt", null, last ? (last.unavailable || {}).energy_j : null, last ? null : "no answer completed yet");
   } else if (!fresh || pt.energy_j === null) {
     put("jpt", null, null, FIRST);
@@ -183,8 +187,7 @@ const COLORS = ["#1f5fbf", "#b54708", "#0f7a3c", "#7a2ea8", "#0e7490", "#9f1239"
 const DASHES = ["", "6 3", "2 3", "8 3 2 3", "4 2", "1 2"];
 const W = 480, H = 150, L = 64, R = 10, T = 10, B = 20;  // the plot's box in the SVG's units
 
-const ring = [];  // the last WINDOW_S of points, oldest first
-window.bankmlDashboard = { ring, polls: 0 };  // for the tests: what the charts hold
+const ring = [];  // the last WINDOW_S of points, oldest first (each chart's data-points counts its own)
 
 function el(tag, attrs, text) {
   const e = document.createElementNS(SVG, tag);
@@ -269,7 +272,7 @@ function drawChart(c) {
       value.textContent = c.fmt(v);
     } else {
       value.className = "na";
-      value.textContent = last.note[k] || (last.why[k] ? "not measured here, because " + last.why[k] : "not measured");
+      value.textContent = last.why[k] ? "not measured here, because " + last.why[k] : last.note[k] || "not measured";
     }
     li.append(swatch, " " + label + ": ", value);
     return li;
@@ -283,7 +286,6 @@ function renderCharts(s) {
   if (prev && s.at <= prev.t) return;  // the same answer twice
   ring.push(sample(s, rateBase(s.at)));
   while (ring[0].t < s.at - WINDOW_S) ring.shift();
-  window.bankmlDashboard.polls++;
   const t = s.dashboard.totals;  // lifetime, as bankml_*_tokens_total
   $("totals").textContent = "since start: " + t.answers + " answers · " + t.prompt_tokens + " prompt tokens (" +
     t.cached_tokens + " from the cache) · " + t.completion_tokens + " generated";
