@@ -269,6 +269,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the ed25519 private key (PEM, mode 0600) receipts are signed with "
                         "([serve] receipt_key; default: receipt-key.pem in $BANKML_CONFIG_DIR, "
                         "$XDG_CONFIG_HOME/bankml or ~/.config/bankml, made at the first start)")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="--native: vLLM's flag: publish the prefix cache's KV events over ZMQ for a router (llm-d), "
+                        'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}\' '
+                        "([serve] kv_events_config; needs pyzmq and msgpack; off-machine endpoints need a "
+                        "non-loopback --listen; docs/routing-signals.md)")
 
 
 def serve_options_of(args: argparse.Namespace) -> ServeOptions:
@@ -282,6 +287,7 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          spec_ngram_size_n=args.spec_ngram_size_n, spec_ngram_size_m=args.spec_ngram_size_m,
                          draft_max=args.draft_max, draft_min=args.draft_min, model_draft=args.model_draft,
                          fork_draft=args.fork_draft, tensor_parallel=args.tensor_parallel,
+                         kv_events_config=args.kv_events_config,
                          coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
 
 

@@ -27,6 +27,7 @@ from model.speculative import MAX_DRAFT, Speculation, spec_type_refusal  # no ja
 
 if TYPE_CHECKING:
     from bankml.signing import ReceiptKey
+    from model.kv_events import KVEventsConfig
 
 RULE_SETS = ("mainline",)  # the guard's only rule set: the Bonsai/prism rules are out of scope
 CACHE_TYPES = ("f16", "q8_0")  # the KV cache's types (model/kvcache.py; this module never imports jax)
@@ -51,6 +52,9 @@ class ServeConfig:
     allowed_origins: tuple[str, ...] = ()
     chat_template_file: str = ""  # --native: replaces the startup model's GGUF chat template (read once)
     receipt_key: str = ""  # the ed25519 key receipts are signed with ("" = receipt-key.pem in the config dir)
+    # --native: vLLM's --kv-events-config JSON: the prefix cache's KV events over ZMQ, for a router
+    # (model/kv_events.py; "" = none); an endpoint off this machine needs a non-loopback --listen
+    kv_events_config: str = ""
 
 
 @dataclass(frozen=True)
@@ -408,6 +412,17 @@ class ServeOptions:
         """Models resident at once."""
         return self.config.registry.max_loaded
 
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """--kv-events-config, checked (serve_options did); None: no events published."""
+        text = self.config.serve.kv_events_config
+        if not text:
+            return None
+        from model import kv_events
+
+        config = kv_events.parse(text, self.listen[0])
+        return config if config.on else None
+
 
 def serve_options(config: Config, *, listen: str | None = None, upstream: str | None = None,
                   threads: int | None = None, ctx: int | None = None, keep_alive: str | None = None,
@@ -419,6 +434,7 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   spec_ngram_size_n: int | None = None, spec_ngram_size_m: int | None = None,
                   draft_max: int | None = None, draft_min: int | None = None, model_draft: str | None = None,
                   fork_draft: str | None = None, tensor_parallel: int | None = None, coordinator: str | None = None,
+                  kv_events_config: str | None = None,
                   num_processes: int | None = None, process_id: int | None = None) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
@@ -501,6 +517,9 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                     slot_dir=chosen_slot_dir or "")
     parse_host_port(serve.listen, "--listen")  # a bad address is refused now, by its flag's name
     parse_host_port(serve.upstream, "--upstream")
+    if kv_events_config is not None:
+        serve = replace(serve, kv_events_config=kv_events_config)
+    _kv_events(serve, native, registry_dir, "--kv-events-config" if kv_events_config else "[serve] kv_events_config")
     config = replace(config, serve=serve, engine=engine, registry=replace(config.registry, dir=registry_dir or ""))
     return ServeOptions(
         config=config,
@@ -512,6 +531,25 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
         allowed_origins=origins,
         chat_template=serve_files.read_chat_template(template_path, "--chat-template-file") if template_path else None,
     )
+
+
+def _kv_events(serve: ServeConfig, native: bool, registry_dir: str | None, what: str) -> None:
+    """The KV events' JSON, checked against where the server listens; events are one model's (vLLM's stream
+    names none: llm-d reads it from the topic), so the startup model's alone, and the native engine's."""
+    if not serve.kv_events_config:
+        return
+    from model import kv_events  # no zmq until events are on
+
+    try:
+        config = kv_events.parse(serve.kv_events_config, parse_host_port(serve.listen, "--listen")[0], what)
+    except ValueError as e:
+        raise ConfigInvalid(str(e)) from None
+    if config.on and not native:
+        raise ConfigInvalid(f"{what}: KV events come from bankML's own prefix cache (--native); P0's "
+                            "llama-server publishes none")
+    if config.on and registry_dir:
+        raise ConfigInvalid(f"{what}: the events name no model (a subscriber reads it from the topic), so they "
+                            "are the startup model's alone: not with --registry")
 
 
 def _cluster(engine: EngineConfig, coordinator: str | None, num_processes: int | None,

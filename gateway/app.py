@@ -60,6 +60,7 @@ from gateway.serving.registry import Registry
 from gateway.serving.residency import Estimate, Loader, Residency
 from gpu_monitor import limiter
 from model import device_budget
+from model.kv_events import KVEventPublisher
 
 log = logging.getLogger("bankml.gateway")
 
@@ -190,9 +191,11 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False) -> Loader:
+def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False,
+                  kv_events: KVEventPublisher | None = None) -> Loader:
     """whole_contexts: several models may share the device, so each gets a KV pool of max_seqs whole
-    contexts (unless [engine] kv_cache_bytes says), never most of what the device has left."""
+    contexts (unless [engine] kv_cache_bytes says), never most of what the device has left. kv_events:
+    each engine loaded tells it what its prefix cache keys and forgets (--kv-events-config)."""
     def load(path: str):
         from model.engine_thread import load_engine
 
@@ -203,6 +206,8 @@ def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False
                                       whole_contexts=whole_contexts, cache_type=engine.cache_type,
                                       speculation=engine.speculation, tensor_parallel=engine.tensor_parallel)
         loaded.lazy_compile = True  # warm only what a first request needs; the rest compiles once bound
+        if kv_events is not None:
+            loaded.watch_pages(kv_events.sink())
         return loaded, backend
 
     return load
@@ -278,7 +283,13 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     if not registry.startup.native:
         return refuse_start(registry.startup.reason or f"{gated.path} cannot be played by this engine")
     several = len(registry.pins) > 1
-    loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several)
+    kv_events = None
+    if options.kv_events is not None:  # before the load: its first events go out
+        try:
+            kv_events = KVEventPublisher(options.kv_events)
+        except OSError as e:
+            return refuse_start(str(e))
+    loader = loader or native_loader(options.ctx, engine_cfg, whole_contexts=several, kv_events=kv_events)
     residency = Residency(registry, gated, loader, max_loaded=options.max_loaded, budget_bytes=0,
                           default_keep_alive_s=options.keep_alive_s, ctx=options.ctx,
                           max_waiting=engine_cfg.max_waiting, estimate=estimate or native_estimate(options.ctx, engine_cfg),
@@ -288,6 +299,8 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     try:
         loaded = residency.load_startup()
     except Exception as e:
+        if kv_events is not None:
+            kv_events.close()
         return refuse_start(f"cannot load {gated.path}: {str(e) or type(e).__name__}")
     # after the first load: jax has started, the device is known
     residency.budget_bytes = device_budget.memory_budget_bytes() if budget_bytes is None else budget_bytes
@@ -349,4 +362,6 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         residency.stop_all()
         for sock in sockets:
             sock.close()
+        if kv_events is not None:
+            kv_events.close()
     return 0

@@ -49,7 +49,7 @@ from model.embed import Embedder
 from model.forward import forward
 from model.kvcache import KVPool, cache_type_refusal, init_pool, page_bytes
 from model.messages import EngineStats, GenerateRequest, Iteration, SamplingParams, StepOutput
-from model.pages import PagePool
+from model.pages import PageEvents, PagePool
 from model.pooling import pooling_of, resolve_pooling
 from model.programs import MIN_PREFILL_BUCKET, MIN_WINDOW, ProgramTable, pow2_at_least
 from model.runner import Runner, empty_history
@@ -120,6 +120,11 @@ class Engine:
         self.gguf_pooling: int | None = None  # <arch>.pooling_type, when loaded from a file that has one
         self._embedder = None  # model/embed.py's programs, made on the first embedding request
         self._mesh: dict | None = None  # `mesh`'s sizes, read once
+
+    def watch_pages(self, events: PageEvents) -> None:
+        """Tell `events` what the prefix cache keys and forgets from now on (vLLM's KV cache events,
+        model/kv_events.py); call it on the engine thread."""
+        self.scheduler.pool.watch(events)
 
     @property
     def pool(self) -> KVPool:

@@ -18,6 +18,9 @@ per page, and keeps vLLM's automatic prefix cache:
 
 Shared pages are always full and never written again: a sequence writes only past its cached prefix,
 in pages of its own. No jax here; the scheduler (model/scheduler.py) drives it.
+
+A watcher (`watch`, `PageEvents`) hears each key as it is made, evicted or forgotten, and a clear: vLLM's KV
+cache events (model/kv_events.py publishes them), called on the engine thread that owns the pool.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -45,8 +49,24 @@ def page_digests(tokens: Sequence[int], page_size: int, previous: bytes = ROOT_D
     return out
 
 
+class PageEvents(Protocol):
+    """What the prefix cache keys and forgets, as it happens (vLLM's BlockStored, BlockRemoved and
+    AllBlocksCleared). Called on the engine thread: it must never block."""
+
+    def stored(self, digest: bytes, parent: bytes, tokens: Sequence[int]) -> None:
+        """A full page keyed `digest` = chain_digest(parent, tokens) is cached (parent ROOT_DIGEST: the first)."""
+
+    def removed(self, digests: Sequence[bytes]) -> None:
+        """These keys are no longer cached (evicted for room, or forgotten)."""
+
+    def cleared(self) -> None:
+        """Nothing is cached (a new pool, or one cleared after a failed iteration)."""
+
+
 class PagePool:
     """Reference-counted pages with a prefix cache; `n_pages` fixed at start."""
+
+    events: PageEvents | None = None  # `watch`
 
     def __init__(self, n_pages: int, page_size: int):
         if n_pages < 1 or page_size < 1:
@@ -91,6 +111,8 @@ class PagePool:
             else:
                 page, _ = self._cached.popitem(last=False)  # the least recently used prefix goes
                 del self._by_key[self._key[page]]
+                if self.events is not None:
+                    self.events.removed([self._key[page]])
                 self._key[page] = None
             self._refs[page] = 1
             out.append(page)
@@ -146,17 +168,20 @@ class PagePool:
         self.queries_tokens -= n_tokens
         self.hits_tokens -= len(pages) * self.page_size
 
-    def publish(self, page: int, digest: bytes) -> None:
+    def publish(self, page: int, digest: bytes, tokens: Sequence[int] = (), parent: bytes = ROOT_DIGEST) -> None:
         """Key a page that just filled up, so later sequences can share it. A page whose tokens are
-        already cached elsewhere (two sequences computed the same prefix at once) stays unkeyed."""
+        already cached elsewhere (two sequences computed the same prefix at once) stays unkeyed.
+        `tokens` and `parent` (digest = chain_digest(parent, tokens)) are for the watcher."""
         if self._key[page] is None and digest not in self._by_key:
             self._key[page] = digest
             self._by_key[digest] = page
+            if self.events is not None:
+                self.events.stored(digest, parent, tokens)
 
     def forget(self, digests: Sequence[bytes]) -> int:
         """Drop the keys of `digests` from the prefix cache (a slot erased): a page nobody holds is free
         again, a held one stays with its holder, unshared from now on. Returns the pages forgotten."""
-        n = 0
+        gone = []
         for digest in digests:
             page = self._by_key.pop(digest, None)
             if page is None:
@@ -165,8 +190,10 @@ class PagePool:
             if self._refs[page] == 0:
                 del self._cached[page]
                 self._free.append(page)
-            n += 1
-        return n
+            gone.append(digest)
+        if gone and self.events is not None:
+            self.events.removed(gone)
+        return len(gone)
 
     def clear(self) -> None:
         """Forget everything: every page free, no prefix cached (after a failed iteration). The
@@ -174,3 +201,11 @@ class PagePool:
         counts = self.queries_tokens, self.hits_tokens
         self.__init__(self.n_pages, self.page_size)
         self.queries_tokens, self.hits_tokens = counts
+        if self.events is not None:
+            self.events.cleared()
+
+    def watch(self, events: PageEvents) -> None:
+        """From now on, tell `events` what the prefix cache keys and forgets; it first hears a clear, so
+        a subscriber drops what an earlier pool (a model loaded again) had told it."""
+        self.events = events
+        events.cleared()

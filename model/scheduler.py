@@ -416,10 +416,12 @@ class Scheduler(SpeculativeSteps):
 
     def _publish(self, seq: Sequence) -> None:
         """Offer the pages `seq` has just filled to the prefix cache."""
-        n_full = seq.n_computed // self.page_size
+        n_full, page = seq.n_computed // self.page_size, self.page_size
         if n_full > seq.n_published:
-            for i, digest in enumerate(self._digests(seq, n_full)[seq.n_published:], seq.n_published):
-                self.pool.publish(seq.pages[i], digest)
+            digests = self._digests(seq, n_full)
+            for i in range(seq.n_published, n_full):
+                self.pool.publish(seq.pages[i], digests[i], seq.tokens[i * page:(i + 1) * page],
+                                  digests[i - 1] if i else ROOT_DIGEST)
             seq.n_published = n_full
 
     def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
@@ -528,8 +530,9 @@ class Scheduler(SpeculativeSteps):
 
     def release_kv(self, tokens: list[int], pages: list[int]) -> None:
         """Let go of pages `hold_kv` or `take_kv` gave, their full pages of `tokens` kept in the prefix cache."""
-        for page, digest in zip(pages, page_digests(tokens, self.page_size), strict=False):
-            self.pool.publish(page, digest)
+        size, digests = self.page_size, page_digests(tokens, self.page_size)
+        for i, (page, digest) in enumerate(zip(pages, digests, strict=False)):
+            self.pool.publish(page, digest, tokens[i * size:(i + 1) * size], digests[i - 1] if i else ROOT_DIGEST)
         self.pool.release(pages)
 
     def keep(self, slot: int, tokens: list[int] | None) -> None:
