@@ -188,7 +188,7 @@ def receive(sub: Subscriber, timeout_s: float = 60) -> tuple[bytes, int, list]:
     try:
         topic, seq, payload = sub.messages.get(timeout=timeout_s)
     except queue.Empty:
-        raise AssertionError("no KV event batch arrived") from None
+        raise AssertionError(f"no KV event batch arrived in {timeout_s} s") from None
     batch = msgpack.unpackb(payload, raw=False)
     assert isinstance(batch, list) and len(batch) == 3  # KVEventBatch, array_like: [ts, events, dp rank]
     ts, events, rank = batch
@@ -225,8 +225,10 @@ def served(tmp_path_factory, bankml_cmd):
 def test_stored_then_removed_blocks_are_the_prefix_caches_pages(served):
     server, sub = served
     seqs: list[int] = []
-    first = events_until(sub, "AllBlocksCleared", seqs)  # the engine's pool, new: forget any earlier one
-    assert first == [{"type": "AllBlocksCleared"}]
+    if not sub.messages.empty():  # the pool's start, unless it went out before our subscription arrived
+        topic, seq, events = receive(sub)  # (the replay test reads it either way)
+        assert (topic, seq, events) == (b"kv@bankml", 0, [{"type": "AllBlocksCleared"}])
+        seqs.append(seq)
     prompt = "the quick brown fox jumps over the lazy dog, then " * 3
     ids = httpx.post(server.url("/tokenize"), json={"content": prompt, "add_special": True}, timeout=60).json()["tokens"]
     assert len(ids) > 2 * PAGE
@@ -261,7 +263,7 @@ def test_stored_then_removed_blocks_are_the_prefix_caches_pages(served):
     removed = [e for e in events_until(sub, "BlockRemoved", seqs) if e["type"] == "BlockRemoved"]
     assert sorted(h for e in removed for h in e["block_hashes"]) == sorted(hashes)
     assert all(e["medium"] == "GPU" for e in removed)
-    assert seqs == list(range(len(seqs)))  # numbered from 0, none missed
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] <= 1  # in order, none missed
 
 
 def test_missed_batches_are_replayed_from_the_router_socket(served):
