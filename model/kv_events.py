@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-log = logging.getLogger("bankml.gateway")
+log = logging.getLogger(__name__)
 
 MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the engine's own KV pool
 MAX_BATCH_EVENTS = 4096  # events taken from the queue into one batch at most
