@@ -184,7 +184,11 @@ def build_parser() -> _Parser:
     v.add_argument("file", metavar="FILE",
                    help="a receipt, or an answer with bankml_receipt at its top level (- for stdin)")
     v.add_argument("--key", metavar="PUB", help="the public key PEM (GET /bankml/receipt-key's public_key); "
-                                                "default: the public half of the local serve's key")
+                                                "default: the running server's (--server)")
+    v.add_argument("--server", metavar="URL", help="the server whose key to check against: GET URL/bankml/receipt-key "
+                                                   "(default: the local one at [serve] listen, else, when none "
+                                                   "answers there, the key file in the config directory)")
+    v.add_argument("--api-key", metavar="KEY", help="the server's API key, when it asks for one")
 
     p = command("gpu-check", "check the Triton kernels (interpreted against their jnp twins, compiled for "
                              "sm_90/sm_80/gfx942) and the engine's GPU wiring; no GPU needed")
@@ -274,6 +278,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", "topic": "kv"}\' '
                         "([serve] kv_events_config; needs pyzmq and msgpack; off-machine endpoints need a "
                         "non-loopback --listen; docs/routing-signals.md)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no access log: one line per request on stderr otherwise ([serve] access_log)")
 
 
 def serve_options_of(args: argparse.Namespace) -> ServeOptions:
@@ -288,7 +294,8 @@ def serve_options_of(args: argparse.Namespace) -> ServeOptions:
                          draft_max=args.draft_max, draft_min=args.draft_min, model_draft=args.model_draft,
                          fork_draft=args.fork_draft, tensor_parallel=args.tensor_parallel,
                          kv_events_config=args.kv_events_config,
-                         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+                         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+                         quiet=args.quiet)
 
 
 # --- the model and its pin ---------------------------------------------------------------------
@@ -412,7 +419,8 @@ def cmd_fork(args: argparse.Namespace) -> int:
     except OSError as e:
         _err(f"cannot write {out}: {e.strerror or e}")
         return exit_code(Unreadable)
-    print(f"{record['files'][0]['sha256']}  {out}")
+    print(f"{record['files'][0]['sha256']}  {args.file}")  # as sha256sum prints it: the file hashed
+    print(f"pinned in {out}")
     if args.sign is not None:
         print(f"signed by {signer}  {bundle}")
     return EXIT_OK
@@ -459,7 +467,7 @@ def cmd_receipt(args: argparse.Namespace) -> int:
     from bankml import signing
     from bankml.errors import ReceiptInvalid
 
-    public = signing.read_public_key(args.key) if args.key else signing.local_key().public
+    public, source = _receipt_public_key(args)
     try:
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -469,8 +477,30 @@ def cmd_receipt(args: argparse.Namespace) -> int:
     except ReceiptInvalid as e:
         print(f"invalid: {e}")
         return exit_code(e)
-    print(f"valid (key_id {key_id})")
+    print(f"valid (key_id {key_id}; {source})")
     return EXIT_OK
+
+
+def _receipt_public_key(args: argparse.Namespace):
+    """(public key, which one: said after the verdict): --key's file, else --server's key, else the local
+    server's, else (no server answers there) the config directory's key file."""
+    from bankml import signing
+    from bankml.config import load_config
+
+    if args.key:
+        return signing.read_public_key(args.key), f"the key in {args.key}"
+    url = args.server
+    if url is None:
+        host, port = load_config(None).serve.listen.rsplit(":", 1)
+        url = f"http://{host.strip('[]') if ':' not in host.strip('[]') else host}:{port}"
+    try:
+        public = signing.server_public_key(url, args.api_key)
+        return public, f"the key of the server at {url}"
+    except signing.NoServer:
+        if args.server is not None:
+            raise
+    path = signing.config_dir() / signing.KEY_FILE
+    return signing.local_key().public, f"the key file {path}: no server answers at {url}"
 
 
 def cmd_gpu_check(args: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ class ServeConfig:
     # --native: vLLM's --kv-events-config JSON: the prefix cache's KV events over ZMQ, for a router
     # (model/kv_events.py; "" = none); an endpoint off this machine needs a non-loopback --listen
     kv_events_config: str = ""
+    access_log: bool = True  # a line per request on stderr (gateway/http/access_log.py); --quiet: off
 
 
 @dataclass(frozen=True)
@@ -435,7 +436,8 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
                   draft_max: int | None = None, draft_min: int | None = None, model_draft: str | None = None,
                   fork_draft: str | None = None, tensor_parallel: int | None = None, coordinator: str | None = None,
                   kv_events_config: str | None = None,
-                  num_processes: int | None = None, process_id: int | None = None) -> ServeOptions:
+                  num_processes: int | None = None, process_id: int | None = None,
+                  quiet: bool = False) -> ServeOptions:
     """The options from `config` and the flags given (None: not given). Raises ConfigInvalid for what
     this mode cannot honour, by name: P0's llama-server flags with --native, a registry without
     --native. The slot directory is made if it is missing. `registry`: the --registry directory ("" for
@@ -514,7 +516,7 @@ def serve_options(config: Config, *, listen: str | None = None, upstream: str | 
     given = {"listen": listen or None, "upstream": upstream or None, "threads": threads, "ctx": ctx,
              "keep_alive": keep_alive, "rule_set": rule_set}
     serve = replace(s, **{k: v for k, v in given.items() if v is not None}, spec_ngram=spec_ngram or s.spec_ngram,
-                    slot_dir=chosen_slot_dir or "")
+                    slot_dir=chosen_slot_dir or "", access_log=s.access_log and not quiet)
     parse_host_port(serve.listen, "--listen")  # a bad address is refused now, by its flag's name
     parse_host_port(serve.upstream, "--upstream")
     if kv_events_config is not None:

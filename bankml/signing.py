@@ -153,6 +153,36 @@ def _make_key(path: Path) -> ReceiptKey:
 # --- checking a receipt --------------------------------------------------------------------------
 
 
+class NoServer(Unreadable):
+    """No server answered at the address (connection refused, or none within the timeout)."""
+
+
+def server_public_key(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> Ed25519PublicKey:
+    """The key a running server signs with: GET `url`/bankml/receipt-key (bounded: at most MAX_PEM_BYTES
+    read). Raises NoServer when nothing answers there, Unreadable when it answers anything but a key."""
+    import urllib.error
+    import urllib.request
+
+    where = url.rstrip("/") + "/bankml/receipt-key"
+    request = urllib.request.Request(where, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:  # noqa: S310 (an http URL the user gives)
+            body = r.read(MAX_PEM_BYTES)
+    except urllib.error.HTTPError as e:
+        hint = ": give --api-key KEY, or --key PUB" if e.code == 401 else ""
+        raise Unreadable(f"{where}: HTTP {e.code}{hint}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise NoServer(f"no server at {url} ({getattr(e, 'reason', None) or e})") from None
+    try:
+        pem = json.loads(body)["public_key"].encode("ascii")
+        public = serialization.load_pem_public_key(pem)
+    except (ValueError, KeyError, TypeError, AttributeError, UnsupportedAlgorithm):
+        public = None
+    if not isinstance(public, Ed25519PublicKey):
+        raise Unreadable(f"{where} gave no ed25519 public key: is it a bankml server?")
+    return public
+
+
 def read_public_key(path: str) -> Ed25519PublicKey:
     """A public key PEM file (GET /bankml/receipt-key's `public_key`). Raises Unreadable."""
     try:

@@ -173,8 +173,8 @@ class GatewayState:
 
 
 def create_app(state: GatewayState, limits: Limits, name: str = "bankml_serve",
-               shutdown: Shutdown | None = None) -> Sanic:
-    app = sanic_app(name, limits, ROUTES, routes_text(), state, shutdown)
+               shutdown: Shutdown | None = None, *, access_log: bool = True) -> Sanic:
+    app = sanic_app(name, limits, ROUTES, routes_text(), state, shutdown, access_log=access_log)
 
     async def start_reaper(app) -> None:
         state.residency.start_reaper()
@@ -338,7 +338,7 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     shutdown = Shutdown(options.config.serve.shutdown_grace_s)
     for sock in sockets:
         shutdown.add_listener(sock)
-    app = create_app(state, limits, shutdown=shutdown)
+    app = create_app(state, limits, shutdown=shutdown, access_log=options.config.serve.access_log)
     for sock in sockets:
         app.prepare(sock=sock, protocol=make_protocol(limits, shutdown, state.access), single_process=True, motd=False,
                     access_log=False)

@@ -316,7 +316,7 @@ def test_the_cli_verifies(tmp_path, capsys, monkeypatch, server, receipts, key_i
     pub.write_text(key_info["public_key"])
     answer = tmp_path / "answer.json"
     answer.write_text(post(server.url("/v1/chat/completions"), {"messages": HI}).text)  # the whole answer
-    valid = f"valid (key_id {key_info['key_id']})\n"
+    valid = f"valid (key_id {key_info['key_id']}; the key in {pub})\n"
     assert _verify(capsys, str(answer), "--key", str(pub)) == (0, valid)
     bare = tmp_path / "receipt.json"
     bare.write_text(json.dumps(receipts["/api/chat, streamed"]))
@@ -325,8 +325,24 @@ def test_the_cli_verifies(tmp_path, capsys, monkeypatch, server, receipts, key_i
     sse_line = "data: " + json.dumps(event)
     monkeypatch.setattr("sys.stdin", io.StringIO(sse_line))
     assert _verify(capsys, "-", "--key", str(pub)) == (0, valid)
-    monkeypatch.setenv("BANKML_CONFIG_DIR", str(config_dir))  # without --key: the local server's key
-    assert _verify(capsys, str(bare)) == (0, valid)
+    # without --key: the running server's key, fetched, in a shell with another config directory
+    monkeypatch.setenv("BANKML_CONFIG_DIR", str(tmp_path / "elsewhere"))
+    url = server.url("")
+    assert _verify(capsys, str(bare), "--server", url) == (
+        0, f"valid (key_id {key_info['key_id']}; the key of the server at {url})\n")
+    code, said = _verify(capsys, str(bare), "--server", f"http://127.0.0.1:{free_port()}")
+    assert code == 1 and said.startswith("no server at http://127.0.0.1:")  # named, and no fallback
+    # no --server and none at [serve] listen's address: the config directory's key file, said so
+    from dataclasses import replace
+
+    from bankml import config as config_module
+
+    nowhere = replace(config_module.load_config(None).serve, listen=f"127.0.0.1:{free_port()}")
+    monkeypatch.setattr(config_module, "load_config", lambda preset=None: replace(config_module.Config(), serve=nowhere))
+    monkeypatch.setenv("BANKML_CONFIG_DIR", str(config_dir))
+    code, said = _verify(capsys, str(bare))
+    assert code == 0 and said.startswith(f"valid (key_id {key_info['key_id']}; the key file {config_dir}")
+    assert "no server answers at" in said
 
     for field in ("response_sha256", "request_sha256", "model_sha256"):
         changed = dict(receipts["/v1/chat/completions"])
@@ -358,7 +374,7 @@ def test_the_installed_command_verifies_and_refuses(tmp_path, bankml_cmd, receip
     receipt = tmp_path / "receipt.json"
     receipt.write_text(json.dumps(receipts["/v1/chat/completions"]))
     r = run_cli(bankml_cmd, "receipt", "verify", str(receipt), "--key", str(pub))
-    assert (r.returncode, r.stdout) == (0, f"valid (key_id {key_info['key_id']})\n")
+    assert (r.returncode, r.stdout) == (0, f"valid (key_id {key_info['key_id']}; the key in {pub})\n")
     receipt.write_text(json.dumps({**receipts["/v1/chat/completions"], "response_sha256": "0" * 64}))
     r = run_cli(bankml_cmd, "receipt", "verify", str(receipt), "--key", str(pub))
     assert (r.returncode, r.stdout) == (2, "invalid: signature does not match\n")
