@@ -197,6 +197,7 @@ def _run_python(block: Block, setup: Setup) -> None:
                     f"--- stderr\n{done.stderr[-4000:]}")
 
 
+@pytest.mark.slow  # a real model's server, and its answers
 @pytest.mark.parametrize("block", list(_params()))
 def test_readme_block(block: Block, setup: Setup, bankml_cmd):
     if block.kind == "shell":
