@@ -31,6 +31,7 @@ from gateway_helpers import CliServer, free_port, tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CONFIGURATION = ROOT / "docs" / "configuration.md"
+ERRORS = ROOT / "docs" / "errors.md"
 RUN = {"sh": "shell", "bash": "shell", "shell": "shell", "python": "python"}
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((.*)\)\s*-->")
 BLOCK_TIMEOUT_S = 240
@@ -228,3 +229,13 @@ def test_docs_configuration_lists_every_key():
         section = text.split(f"### [{table}]\n", 1)[1].split("\n#", 1)[0]
         documented = re.findall(r"^\| `(\w+)` \|", section, re.M)
         assert documented == [f.name for f in dataclasses.fields(cls)], table
+
+
+def test_docs_errors_is_the_error_table():
+    """docs/errors.md's table is bankml/errors.py's: every class, its statuses, its type, its exit code."""
+    from bankml import errors
+
+    rows = re.findall(r"^\| `(\w+)` \| (\d+) \| (\d+) \| (\d+) \| `(\w+)` \| (\d+) \|", ERRORS.read_text(), re.M)
+    table = {cls.__name__: (str(c.openai), str(c.llama), str(c.ollama), c.type, str(c.exit_code))
+             for cls, c in errors.TABLE.items()}
+    assert {name: tuple(rest) for name, *rest in rows} == table
