@@ -151,7 +151,8 @@ class AffinityRouter(RequestRouter):
     keys), ranked first; the others follow as one rank, where Ray takes the least loaded. The preferred
     replica is skipped when its queue is full or longer than the shortest by `imbalanced_threshold`.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
-    PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects."""
+    PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects.
+    The queue lengths are Ray's router's cache (updated as requests are sent, finish, or are probed)."""
 
     def initialize_state(self, imbalanced_threshold: int = 8, **kwargs) -> None:
         self.imbalanced_threshold = imbalanced_threshold
@@ -213,8 +214,8 @@ class Replica:
             yield part
 
     def identity(self) -> dict:
-        """Which replica, and its child's pid (the tests kill it)."""
-        return {"replica": self.replica_id, "child_pid": self.child.pid}
+        """Which replica, its child's pid (the tests kill it) and port (the bench reads each one's metrics)."""
+        return {"replica": self.replica_id, "child_pid": self.child.pid, "port": self.child.port}
 
     def check_health(self) -> None:
         """Ray's health check: a replica whose child has exited is unhealthy, and replaced."""

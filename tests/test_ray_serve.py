@@ -80,19 +80,22 @@ def _ray_processes(temp_dir: str) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes on this machine, one CPU each; stopped at the end (by the pids of its own processes,
-    never `ray stop`, which would stop any other Ray on the machine)."""
+    """Two Ray nodes on this machine, one CPU each; stopped at the end by the pids of its own processes,
+    never `ray stop`, which would stop any other Ray on the machine. Ray's token authentication is off
+    for this loopback cluster, explicitly: Ray 2.60 turns it on for a head that finds ~/.ray/auth_token,
+    which a second `ray start` does not then send, and this process read its mode when it imported ray."""
     temp_dir = tempfile.mkdtemp(prefix="rbk", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    auth = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    saved = {k: os.environ.get(k) for k in (*auth, "RAY_ADDRESS")}
+    os.environ.update(auth)  # the driver (this process) too
+    os.environ.pop("RAY_ADDRESS", None)
     gcs = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
     common = ["--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp_dir]
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     try:
-        subprocess.run([*ray_cli, "start", "--head", "--port", str(gcs), "--include-dashboard=false", *common],
-                       env=env, check=True, capture_output=True, timeout=120)
-        subprocess.run([*ray_cli, "start", "--address", f"127.0.0.1:{gcs}", *common],
-                       env=env, check=True, capture_output=True, timeout=120)
+        for args in (["--head", "--port", str(gcs), "--include-dashboard=false"], ["--address", f"127.0.0.1:{gcs}"]):
+            r = subprocess.run([*ray_cli, "start", *args, *common], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr[-3000:]
         ray.init(address=f"127.0.0.1:{gcs}", logging_level="WARNING", log_to_driver=False)
         deadline = time.monotonic() + 60
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
@@ -105,6 +108,11 @@ def cluster():
                 ray.shutdown()
         finally:
             _stop_processes(_ray_processes(temp_dir))
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _stop_processes(procs: list[psutil.Process]) -> None:
