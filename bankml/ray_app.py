@@ -152,10 +152,19 @@ class AffinityRouter(RequestRouter):
     replica is skipped when its queue is full or longer than the shortest by `imbalanced_threshold`.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
     PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects.
-    The queue lengths are Ray's router's cache (updated as requests are sent, finish, or are probed)."""
+    The load it compares is its own count of the answers it sent each replica that have not finished
+    (on_request_routed / on_request_completed): Ray's queue-length cache keeps the count a replica last
+    reported, which after a burst stayed high and sent every next request of a key elsewhere."""
 
     def initialize_state(self, imbalanced_threshold: int = 8, **kwargs) -> None:
         self.imbalanced_threshold = imbalanced_threshold
+        self.in_flight: dict[str, int] = {}  # replica id -> answers sent there, not finished
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        self.in_flight[replica_id.unique_id] = self.in_flight.get(replica_id.unique_id, 0) + 1
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.in_flight[replica_id.unique_id] = max(0, self.in_flight.get(replica_id.unique_id, 0) - 1)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -170,10 +179,8 @@ class AffinityRouter(RequestRouter):
         if not key or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         ranked = sorted(candidate_replicas, key=lambda r: _score(key, r.replica_id.unique_id), reverse=True)
-        queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in ranked}
-        first = queue[ranked[0].replica_id]
-        shortest = min((q for q in queue.values() if q is not None), default=0)
-        if first is not None and first - shortest > self.imbalanced_threshold:
+        load = [self.in_flight.get(r.replica_id.unique_id, 0) for r in ranked]
+        if load[0] - min(load) > self.imbalanced_threshold:
             return [ranked[1:], ranked[:1]]
         return [ranked[:1], ranked[1:]]
 

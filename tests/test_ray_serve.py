@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -261,6 +262,15 @@ def test_a_shared_system_prompt_lands_on_the_same_replica(served):
         assert first == max(ids, key=lambda rid: _score(key, rid))  # the rendezvous hash's choice
         chosen[system] = first
     assert set(chosen.values()) <= ids
+    # bursts, one after the other: below imbalanced_threshold, every request stays on the key's replica
+    system = "One long system prompt for a burst of clients, longer than the key. " * 10
+    key = affinity_key(json.dumps(_chat(system, "Hello")).encode(), 512)
+    owner = max(ids, key=lambda rid: _score(key, rid))
+    for _ in range(3):
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda i: _post(base, "/v1/chat/completions", _chat(system, f"Hello {i}", 30)).headers[
+                REPLICA_HEADER], range(6)))
+        assert got == [owner] * 6, got
 
 
 def test_a_replica_with_a_bad_pin_is_refused_with_the_reason(served, tmp_path):
