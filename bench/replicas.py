@@ -8,7 +8,7 @@ A local Ray node with two CPUs (started by this script, stopped at its end); eac
 "each replica one CPU" holds for the engine, not only for Ray's bookkeeping. Three deployments in turn:
 one replica; two with prefix-cache affinity (routing=affinity); two with Ray's power of two choices
 (routing=pow2). For each, at each client count, two prompt sets:
-- shared: one ~150-token system prompt for every client, a user message of each client's own;
+- shared: one ~140-token system prompt for every client, a user message of each client's own;
 - distinct: a system prompt of each client's own (they differ from their first characters).
 Every client sends --rounds streamed greedy chats one after the other (round 2 repeats its system
 prompt with another question: what a cache on the right replica saves). Per run: aggregate completion
@@ -17,8 +17,9 @@ replica's share of the requests, the share of each client's later rounds that la
 of its first (`later_rounds_on_first_replica`), and each replica's prefix-cache hit rate over the run
 (each child's own GET /metrics, bankml_prefix_cache_hits_total over bankml_prefix_cache_queries_total,
 read before and after). No run reuses another's prompts (a tag of the run leads every system prompt).
-With affinity, a shared system prompt goes to one replica until its queue is `imbalanced_threshold`
-(8) longer than the other's; then the overflow goes to the other.
+The system prompt is longer than the affinity key (`prefix_chars`, 512 characters), so the key is the
+system prompt alone: with affinity, a shared one goes to one replica until that replica has
+`imbalanced_threshold` (8) more answers under way than the other; then the overflow goes to the other.
 
 The proxy's added latency: small requests (GET /health, and a 1-token chat), alternating through Ray's
 proxy and straight to the one replica's own child (a bare `bankml serve --native`, the same process),
@@ -50,7 +51,8 @@ SYSTEM = ("You are a careful assistant for a small public library. Answer questi
           "borrowing rules, late fees, room bookings, printing, interlibrary loans and children's events. "
           "Be brief and friendly, never invent a policy, and when you are unsure, say that the front desk "
           "can help. Opening hours are nine to six on weekdays and ten to four on Saturdays; the library is "
-          "closed on Sundays and public holidays. Books are lent for three weeks and may be renewed twice. ")
+          "closed on Sundays and public holidays. Books are lent for three weeks and may be renewed twice. "
+          "Late fees are ten cents a day, capped at five dollars; children's books carry no late fee. ")
 QUESTIONS = ["Can I renew a book online?", "When do you open on Saturday?", "How much is a late fee?",
              "Can I book a study room?", "Do you print in colour?", "Is there a story time for kids?",
              "Can I borrow a laptop?", "How do interlibrary loans work?"]
@@ -140,7 +142,7 @@ def hit_rates(children: dict[str, dict], before: dict[str, dict]) -> dict[str, d
 # --- the deployments ---------------------------------------------------------------------------------
 
 
-def deploy(serve, build, model: str, fork: str, replicas: int, routing: str) -> dict[str, dict]:
+def deploy(serve, build, url: str, model: str, fork: str, replicas: int, routing: str) -> dict[str, dict]:
     """Deploy (or replace) the bench app; {replica id: {child_pid, port, core}}, each child pinned."""
     serve.run(build({"model": model, "fork": fork, "replicas": str(replicas), "routing": routing,
                      "flags": "--config cpu --ctx 1024"}), name="bench", route_prefix="/")
@@ -154,6 +156,13 @@ def deploy(serve, build, model: str, fork: str, replicas: int, routing: str) -> 
     for core, (_rid, child) in enumerate(sorted(children.items())):
         child["core"] = core
         pin_threads(child["child_pid"], core)
+    # the ingress's router learns of new replicas a little after serve.run returns: until it has them
+    # all, a key's requests go to the replicas it knows, and then move (a first run's numbers, skewed)
+    seen: set[str] = set()
+    for _ in range(400):
+        seen.add(httpx.get(url + "/health", timeout=30).headers.get("x-bankml-replica", ""))
+        if seen >= set(children):
+            break
     return children
 
 
@@ -209,6 +218,7 @@ def main() -> int:
     ap.add_argument("--latency-n", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "2026-12-06-cpu-replicas.json"))
     a = ap.parse_args()
+    assert len(SYSTEM) > 512, "the system prompt must outrun the affinity key"
     model = a.model or str(default_model_path(fetch=True))
     fork = a.fork or str(shipped_fork_path())
     levels = [int(x) for x in a.clients.split(",")]
@@ -227,7 +237,7 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         for replicas, routing in ((1, "affinity"), (2, "affinity"), (2, "pow2")):
             t0 = time.perf_counter()
-            children = deploy(serve, build, model, fork, replicas, routing)
+            children = deploy(serve, build, url, model, fork, replicas, routing)
             deploy_s = time.perf_counter() - t0
             warm(url, children, a.max_tokens)
             if replicas == 1:
