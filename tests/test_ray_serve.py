@@ -135,6 +135,7 @@ def served(cluster, tmp_path_factory):
     """Two replicas of a tiny model behind Ray's proxy (loopback, a port of its own); the base URL."""
     directory = tmp_path_factory.mktemp("ray")
     model, fork = tiny_model(directory)
+    before = os.environ.get("BANKML_CONFIG_DIR")  # the session's (conftest.py): given back at the end
     os.environ["BANKML_CONFIG_DIR"] = str(directory / "config")  # the builder makes the key here
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
@@ -143,7 +144,10 @@ def served(cluster, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     yield {"base": base, "directory": directory, "model": model, "fork": fork}
     serve.delete(APP)
-    os.environ.pop("BANKML_CONFIG_DIR", None)
+    if before is None:
+        os.environ.pop("BANKML_CONFIG_DIR", None)
+    else:
+        os.environ["BANKML_CONFIG_DIR"] = before
 
 
 def _post(base: str, path: str, body: dict, timeout_s: float = 60) -> httpx.Response:
@@ -299,7 +303,9 @@ class Load:
     """Streamed chats at once, each in a thread, their prompts chosen so that `per_replica` land on each
     replica (the router's rendezvous hash, over the replica ids the proxy showed)."""
 
-    def __init__(self, base: str, replica_ids: set[str], per_replica: int, max_tokens: int):
+    def __init__(self, base: str, replica_ids: set[str], per_replica: int, max_tokens: int, victim: str):
+        """The victim's streams are long (still streaming when it is killed), the others' short, so the
+        survivors end soon even on a busy machine."""
         self.prompts: list[dict] = []
         counts = dict.fromkeys(replica_ids, 0)
         i = 0
@@ -307,6 +313,10 @@ class Load:
             body = _chat(f"Client {i}, a distinct prompt.", "Tell a story", max_tokens, stream=True)
             key = affinity_key(json.dumps(body).encode(), 512)
             owner = max(replica_ids, key=lambda rid: _score(key, rid))
+            if owner != victim:
+                body = _chat(f"Client {i}, a distinct prompt.", "Tell a story", 48, stream=True)
+                if affinity_key(json.dumps(body).encode(), 512) != key:
+                    raise AssertionError("max_tokens must not change the affinity key")
             if counts[owner] < per_replica:
                 counts[owner] += 1
                 self.prompts.append(body)
@@ -339,7 +349,7 @@ class Load:
         for _ in self.threads:
             assert self._streaming.acquire(timeout=max(0.0, deadline - time.monotonic())), self.results
 
-    def finish(self, timeout_s: float = 120) -> list[dict]:
+    def finish(self, timeout_s: float = 600) -> list[dict]:  # a stream silent 90 s raises (httpx) anyway
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -373,9 +383,9 @@ def _check_outcomes(results: list[dict], victim: str) -> None:
 def test_a_killed_replica_actor_ends_its_streams_with_an_error_and_is_replaced(served):
     base = served["base"]
     ids = set(_seen_replicas(base))
-    load = Load(base, ids, 2, 2000)
-    load.wait_streaming()
     victim = min(ids)
+    load = Load(base, ids, 2, 2000, victim)
+    load.wait_streaming()
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Replica#{victim}", namespace="serve"), no_restart=True)
     _check_outcomes(load.finish(), victim)
     _wait_replaced(base, victim)
@@ -393,7 +403,7 @@ def test_a_killed_child_server_ends_its_streams_with_an_error_and_is_replaced(se
             pid = identity["child_pid"]
             break
     assert pid is not None
-    load = Load(base, ids, 2, 2000)
+    load = Load(base, ids, 2, 2000, victim)
     load.wait_streaming()
     os.kill(pid, signal.SIGKILL)
     _check_outcomes(load.finish(), victim)

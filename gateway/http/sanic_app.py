@@ -29,8 +29,9 @@ from urllib.parse import parse_qs
 from sanic import Sanic
 from sanic.exceptions import NotFound
 
+from bankml.errors import BankmlError
 from gateway.http import access_log as access_log_
-from gateway.http.errors import GatewayErrorHandler
+from gateway.http.errors import GatewayErrorHandler, api_of, status_of
 from gateway.http.liveness import Liveness, WorkerPool
 from gateway.http.loopback import Limits
 from gateway.http.shutdown import Shutdown
@@ -99,6 +100,9 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
             response = await route(request)
             status = getattr(response, "status", None)
             return response
+        except BankmlError as e:  # the error handler answers it with its table's status
+            status = status_of(e, api_of(request.path))
+            raise
         except Exception as e:
             status = getattr(e, "status_code", 500)
             raise
