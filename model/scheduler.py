@@ -416,13 +416,18 @@ class Scheduler(SpeculativeSteps):
 
     def _publish(self, seq: Sequence) -> None:
         """Offer the pages `seq` has just filled to the prefix cache."""
-        n_full, page = seq.n_computed // self.page_size, self.page_size
+        n_full = seq.n_computed // self.page_size
         if n_full > seq.n_published:
             digests = self._digests(seq, n_full)
             for i in range(seq.n_published, n_full):
-                self.pool.publish(seq.pages[i], digests[i], seq.tokens[i * page:(i + 1) * page],
-                                  digests[i - 1] if i else ROOT_DIGEST)
+                self._key_page(seq.pages[i], i, seq.tokens, digests)
             seq.n_published = n_full
+
+    def _key_page(self, page: int, i: int, tokens: list[int], digests: list[bytes]) -> None:
+        """Key `page`, the i-th full page of `tokens` (`digests`: their chain), in the prefix cache,
+        with what the pool's watcher hears: its tokens and its parent's key."""
+        size = self.page_size
+        self.pool.publish(page, digests[i], tokens[i * size:(i + 1) * size], digests[i - 1] if i else ROOT_DIGEST)
 
     def _push(self, seq: Sequence, token: int, logprob: float | None, top: list[tuple[int, float]]) -> StepOutput:
         out = seq.completion.push(token, logprob, top)
@@ -530,9 +535,9 @@ class Scheduler(SpeculativeSteps):
 
     def release_kv(self, tokens: list[int], pages: list[int]) -> None:
         """Let go of pages `hold_kv` or `take_kv` gave, their full pages of `tokens` kept in the prefix cache."""
-        size, digests = self.page_size, page_digests(tokens, self.page_size)
-        for i, (page, digest) in enumerate(zip(pages, digests, strict=False)):
-            self.pool.publish(page, digest, tokens[i * size:(i + 1) * size], digests[i - 1] if i else ROOT_DIGEST)
+        digests = page_digests(tokens, self.page_size)
+        for i, page in enumerate(pages[:len(digests)]):
+            self._key_page(page, i, tokens, digests)
         self.pool.release(pages)
 
     def keep(self, slot: int, tokens: list[int] | None) -> None:

@@ -23,7 +23,6 @@ log = logging.getLogger("bankml.access")
 
 @dataclass
 class _Entry:
-    model: str | None = None
     tokens_in: int = 0
     tokens_out: int = 0
     answers: int = 0
