@@ -44,12 +44,12 @@ def registry_dir(directory: Path, names: list[str]) -> Path:
 
 
 class _Server:
-    def __init__(self, cmd: list[str], timeout_s: float, env: dict | None = None):
+    def __init__(self, cmd: list[str], timeout_s: float, env: dict | None = None, cwd: Path | None = None):
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.port = self.upstream_port = 0
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, cwd=cwd)
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(timeout_s) or not self.port:
             self.stop()

@@ -16,7 +16,6 @@ second slow server) and an install line (`pip install`) are reported as skipped 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 import subprocess
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from gateway_helpers import CliServer, free_port, tiny_model
+from gateway_helpers import CliServer, _Server, free_port, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -115,16 +114,21 @@ def _serve_args(line: str) -> list[str] | None:
     return words[2:] if words[:2] == ["bankml", "serve"] else None
 
 
-def _bash(script: str, work: Path, line: int) -> None:
-    script = script.replace("curl -s ", "curl -s --fail-with-body ")  # an HTTP error fails the block
+def _run(argv: list[str], work: Path, line: int, stderr_tail: int | None = None) -> None:
+    """Run a block (bash or Python) in the reader's directory; a failure names its README line."""
     try:
-        done = subprocess.run(["bash", "-e", "-c", script], cwd=work, capture_output=True, text=True,
-                              timeout=BLOCK_TIMEOUT_S)
+        done = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"README.md line {line}: the block ran past {BLOCK_TIMEOUT_S} s")
     if done.returncode:
+        stderr = done.stderr if stderr_tail is None else done.stderr[-stderr_tail:]
         pytest.fail(f"README.md line {line}: exit {done.returncode}\n--- stdout\n{done.stdout}\n"
-                    f"--- stderr\n{done.stderr}")
+                    f"--- stderr\n{stderr}")
+
+
+def _bash(script: str, work: Path, line: int) -> None:
+    script = script.replace("curl -s ", "curl -s --fail-with-body ")  # an HTTP error fails the block
+    _run(["bash", "-e", "-c", script], work, line)
 
 
 def _run_shell(block: Block, setup: Setup, bankml_cmd: list[str]) -> None:
@@ -141,57 +145,20 @@ def _run_shell(block: Block, setup: Setup, bankml_cmd: list[str]) -> None:
     port, upstream = free_port(), free_port()
     cmd = [*bankml_cmd, *shlex.split(lines[at], comments=True)[1:], "--listen", f"127.0.0.1:{port}",
            "--upstream", f"127.0.0.1:{upstream}"]
-    server = _StartedHere(cmd, setup.work)
+    try:  # in the reader's directory: the block's paths are relative to it
+        server = _Server(cmd, 600, cwd=setup.work)
+    except RuntimeError as e:
+        pytest.fail(f"README.md line {block.line + 1 + at}: {e}")
     try:
-        assert server.wait_listening(), f"README.md line {block.line + 1 + at}: it did not start\n{server.log()}"
         _bash(setup.for_port("\n".join(lines[at + 1:]), port, upstream), setup.work, block.line)
     finally:
         server.stop()
 
 
-class _StartedHere:
-    """A `bankml serve` the block itself starts, in the reader's directory."""
-
-    def __init__(self, cmd: list[str], cwd: Path):
-        self.out = cwd / f"serve-{os.getpid()}-{free_port()}.log"
-        self.file = self.out.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=self.file)
-
-    def log(self) -> str:
-        return self.out.read_text()
-
-    def wait_listening(self, timeout_s: float = 600) -> bool:
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if "listening on http://" in self.log():
-                return True
-            time.sleep(0.2)
-        return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.file.close()
-
-
 def _run_python(block: Block, setup: Setup) -> None:
     path = setup.work / f"readme_line{block.line}.py"
     path.write_text(setup.for_port(block.code, setup.server.port, setup.server.upstream_port))
-    try:
-        done = subprocess.run([sys.executable, str(path)], cwd=setup.work, capture_output=True, text=True,
-                              timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"README.md line {block.line}: the block ran past {BLOCK_TIMEOUT_S} s")
-    if done.returncode:
-        pytest.fail(f"README.md line {block.line}: exit {done.returncode}\n--- stdout\n{done.stdout}\n"
-                    f"--- stderr\n{done.stderr[-4000:]}")
+    _run([sys.executable, str(path)], setup.work, block.line, stderr_tail=4000)
 
 
 @pytest.mark.slow  # a real model's server, and its answers
