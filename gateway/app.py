@@ -350,9 +350,15 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
         if not pin.native:
             log.warning("%s is listed, not served: %s", pin.file_name, pin.reason)
     served = [p.name for p in registry.pins if p.native] + [d.name for d in registry.derived.all()]
-    log.info("bankml %s --native: models %s (at most %d resident); listening on http://%s and, for "
-             "llama-server's clients, http://%s", __version__, ", ".join(served), options.max_loaded, listen,
-             compat_listen)
+
+    async def announce(app) -> None:
+        # once Sanic's stop signals are in place: it ignores SIGINT and SIGTERM while it starts, and a
+        # supervisor's signal sent on this line was lost
+        log.info("bankml %s --native: models %s (at most %d resident); listening on http://%s and, for "
+                 "llama-server's clients, http://%s", __version__, ", ".join(served), options.max_loaded, listen,
+                 compat_listen)
+
+    app.register_listener(announce, "after_server_start")
     residency.compile_rest(loaded)  # the rest of the programs, now that we are bound
     try:
         Sanic.serve_single(app)

@@ -270,8 +270,14 @@ def run_p0(gated: GatedModel, options: ServeOptions) -> int:
         _watch(spawned)
     listen = address(*sock.getsockname()[:2])
     log.info("receipts signed with %s (key_id %s)", options.receipt_key.path, options.receipt_key.key_id)
-    log.info("bankml serve %s: %s verified (sha256 %s), upstream %s serves it (%s); listening on http://%s",
-             __version__, gated.path, gated.verified.model_sha256, up, state.backend, listen)
+
+    async def announce(app) -> None:
+        # only once the stop signals are ours again (own_signals, registered first): Sanic ignores
+        # SIGINT and SIGTERM while it starts, and a supervisor's signal sent on this line was lost
+        log.info("bankml serve %s: %s verified (sha256 %s), upstream %s serves it (%s); listening on http://%s",
+                 __version__, gated.path, gated.verified.model_sha256, up, state.backend, listen)
+
+    app.register_listener(announce, "after_server_start")
     try:
         Sanic.serve_single(app)
     finally:
