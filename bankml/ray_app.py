@@ -249,15 +249,15 @@ class Ingress:
         self.max_body_bytes = LimitsConfig().max_body_bytes
 
     async def __call__(self, request: Request) -> Response:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                return _error(413, f"request body over {self.max_body_bytes} bytes")
         scope = request.scope
         target = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                return _error(413, f"request body over {self.max_body_bytes} bytes", target)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
         key = key_of(bytes(body), self.prefix_chars) if self.routing == "affinity" else None
         forwarded = Forwarded(request.method, target, headers, bytes(body))
@@ -268,21 +268,22 @@ class Ingress:
                 head = await asyncio.wait_for(stream.__anext__(), self.read_timeout_s)
             except TimeoutError:
                 stream.cancel()
-                return _error(504, f"no replica answered within {self.read_timeout_s:.0f} s")
+                return _error(504, f"no replica answered within {self.read_timeout_s:.0f} s", target)
             except Exception as e:  # the replica died before it answered: the client sees why, no traceback
-                return _error(502, f"the replica failed before it answered: {type(e).__name__}: {_first_line(e)}")
+                return _error(502, f"the replica failed before it answered: {type(e).__name__}: {_first_line(e)}",
+                              target)
             if not isinstance(head, Unavailable):
                 break
             avoid += (head.replica,)  # nothing was sent: another replica may take it
         else:
-            return _error(503, f"no replica's server took the request ({self.TRIES} tries): {head.reason}")
+            return _error(503, f"no replica's server took the request ({self.TRIES} tries): {head.reason}", target)
         if not isinstance(head, Head):
-            return _error(502, "the replica answered without a head")
+            return _error(502, "the replica answered without a head", target)
         content_type = dict((k.lower(), v) for k, v in head.headers).get("content-type", "")
-        return StreamingResponse(self._rest(stream, content_type), status_code=head.status,
+        return StreamingResponse(self._rest(stream, content_type, target), status_code=head.status,
                                  headers=_headers(head.headers))
 
-    async def _rest(self, stream, content_type: str) -> AsyncIterator[bytes]:
+    async def _rest(self, stream, content_type: str, target: str) -> AsyncIterator[bytes]:
         while True:
             try:
                 chunk = await asyncio.wait_for(stream.__anext__(), self.read_timeout_s)
@@ -296,7 +297,7 @@ class Ingress:
             else:
                 yield chunk
                 continue
-            if (tail := error_chunk(content_type, 502, message)) is not None:
+            if (tail := error_chunk(content_type, 502, message, target)) is not None:
                 yield tail
             return
 
@@ -308,8 +309,9 @@ def _headers(pairs: list[tuple[str, str]]) -> dict[str, str]:
     return out
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(error_body(status, message), status_code=status, media_type="application/json")
+def _error(status: int, message: str, target: str) -> Response:
+    """An answer of the ingress's own, in the API's shape of the request's path (bankml/replica.py)."""
+    return Response(error_body(status, message, target), status_code=status, media_type="application/json")
 
 
 def _first_line(e: BaseException) -> str:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.http.errors import Api, anthropic_error, api_of
+
 LISTENING = re.compile(r"listening on http://(\S+):(\d+) and, for llama-server's clients")
 REFUSE = re.compile(r"bankml serve: refuse: (.*)")
 # hop-by-hop headers (RFC 9110 §7.6.1) and the body's length: each hop writes its own
@@ -180,21 +182,38 @@ def _tail(lines: deque[str], n: int = 3) -> str:
 # --- one exchange ----------------------------------------------------------------------------------
 
 
-def error_chunk(content_type: str, status: int, message: str) -> bytes | None:
-    """The in-band error that ends a stream whose head is already sent, in the stream's shape: an SSE
-    event (gateway/http/shutdown.py's sse_error_event: llama-server's error object) or an NDJSON line
-    (Ollama's `{"error": ...}`); None for any other body (it just ends short)."""
+def error_chunk(content_type: str, status: int, message: str, target: str = "/") -> bytes | None:
+    """The in-band error that ends a stream whose head is already sent, in the stream's shape and its
+    API's (the request's `target`, as gateway/http/errors.py's api_of reads it): an SSE event
+    (llama-server's and OpenAI's error object; Anthropic's `event: error`, as its SDK reads one) or an
+    NDJSON line (Ollama's `{"error": ...}`); None for any other body (it just ends short)."""
     if content_type.startswith("text/event-stream"):
-        return b"data: " + json.dumps({"error": {"code": status, "message": message,
-                                                 "type": "unavailable_error"}}).encode() + b"\n\n"
+        if _api(target) is Api.ANTHROPIC:
+            return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
+        return b"data: " + _openai_error(status, message) + b"\n\n"
     if content_type.startswith("application/x-ndjson"):
         return json.dumps({"error": message}).encode() + b"\n"
     return None
 
 
-def error_body(status: int, message: str) -> bytes:
-    """A whole answer when nothing of the child's came: llama-server's (and OpenAI's) error object."""
+def error_body(status: int, message: str, target: str = "/") -> bytes:
+    """A whole answer when nothing of the child's came, in the API's shape of the request's `target`
+    (as the gateway renders its own: gateway/http/errors.py): Ollama's `{"error": ...}` for /api/*,
+    Anthropic's error object for /v1/messages, else llama-server's (and OpenAI's)."""
+    api = _api(target)
+    if api is Api.OLLAMA:
+        return json.dumps({"error": message}).encode()
+    if api is Api.ANTHROPIC:
+        return anthropic_error(status, message).encode()
+    return _openai_error(status, message)
+
+
+def _openai_error(status: int, message: str) -> bytes:
     return json.dumps({"error": {"code": status, "message": message, "type": "unavailable_error"}}).encode()
+
+
+def _api(target: str) -> Api:
+    return api_of(target.split("?", 1)[0])
 
 
 async def forward(client: httpx.AsyncClient, base_url: str,
@@ -213,7 +232,7 @@ async def forward(client: httpx.AsyncClient, base_url: str,
     except httpx.HTTPError as e:
         message = f"the replica's server did not answer: {type(e).__name__}: {e}"
         yield Head(502, [("content-type", "application/json")])
-        yield error_body(502, message)
+        yield error_body(502, message, request.target)
         return
     content_type = response.headers.get("content-type", "")
     try:
@@ -222,7 +241,8 @@ async def forward(client: httpx.AsyncClient, base_url: str,
         async for chunk in response.aiter_raw():
             yield chunk
     except httpx.HTTPError as e:
-        chunk = error_chunk(content_type, 502, f"the replica's server stopped mid-answer: {type(e).__name__}: {e}")
+        chunk = error_chunk(content_type, 502, f"the replica's server stopped mid-answer: {type(e).__name__}: {e}",
+                            request.target)
         if chunk is not None:
             yield chunk
     finally:
