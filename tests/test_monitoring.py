@@ -79,15 +79,6 @@ def test_no_completion_no_rates_and_unmeasured_energy_is_null_with_its_reason():
     assert r["energy_j"] is None and r["unavailable"]["energy_j"] == "no energy meter"
 
 
-def test_one_token_has_no_decode_rate_and_says_why():
-    """It came with the prompt's pass: over the microseconds after it, 1 token read as 10^4-10^5 tok/s."""
-    r = answer_record("m", last_output(timeline(predicted_ms=0.02), completion_tokens=1, energy=reading(1.0)))
-    assert r["eval_tps"] is None and r["unavailable"]["eval_tps"].startswith("one token")
-    assert r["joules_per_token"] == 1.0  # what it cost is still per token
-    r = answer_record("m", last_output(timeline(predicted_ms=100.0), completion_tokens=2, energy=reading(1.0)))
-    assert r["eval_tps"] == 20.0 and "eval_tps" not in r["unavailable"]
-
-
 def test_ring_keeps_256_newest_last_and_energy_totals_over_measured_records_only():
     ring = MetricsRing()
     for i in range(KEEP + 3):

@@ -56,13 +56,6 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         why["joules_per_token"] = "no completion tokens"
     if ttft_ms is None:
         why["ttft_ms"] = "the answer has no text"
-    # llama-server's rate (predicted_n over predicted_ms) for two tokens or more; one token came with the
-    # prompt's pass, and over the microseconds after it read as thousands of tokens a second
-    eval_tps = _rate(last.completion_tokens, last.predicted_ms) if last.completion_tokens > 1 else None
-    if last.completion_tokens == 1:
-        why["eval_tps"] = "one token: it came with the prompt's pass, no decode to rate"
-    elif last.completion_tokens == 0:
-        why["eval_tps"] = "no completion tokens"
     if last.timeline is None:
         why["queue_ms"] = "the engine stamped no timeline"
     record = {
@@ -75,7 +68,7 @@ def answer_record(model: str, last: StepOutput, *, at: float | None = None) -> d
         "ttft_ms": rounded(ttft_ms, 1),
         "eval_ms": rounded(last.predicted_ms, 1),
         "prompt_tps": _rate(last.prompt_tokens - last.cached_tokens, last.prompt_ms),
-        "eval_tps": eval_tps,
+        "eval_tps": _rate(last.completion_tokens, last.predicted_ms),
         "finish": last.finish_reason.value if last.finish_reason else None,
         "grammar_ms": rounded(float(last.grammar_ms), 3),
         "resampled": 0,

@@ -327,7 +327,7 @@ function renderAnswers(m) {
   const rows = m.records.slice().reverse().map((r) => row(
     [clock(r.at), r.prompt_tokens, r.cached_tokens, r.completion_tokens, num(r.ttft_ms, 1), promptRate(r),
       num(r.eval_tps, 2), r.finish, num(r.energy_j, 3), num(r.joules_per_token, 4)],
-    [null, null, null, null, why(r, "ttft_ms"), "no uncached prompt tokens", why(r, "eval_tps") || "no completion tokens", null,
+    [null, null, null, null, why(r, "ttft_ms"), "no uncached prompt tokens", "no completion tokens", null,
       why(r, "energy_j"), why(r, "joules_per_token") || why(r, "energy_j")]));
   fill($("answers-table").tBodies[0], rows, "no completed answer yet", 10);
 }
