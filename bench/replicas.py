@@ -23,7 +23,9 @@ system prompt alone: with affinity, a shared one goes to one replica until that 
 
 The proxy's added latency: small requests (GET /health, and a 1-token chat), alternating through Ray's
 proxy and straight to the one replica's own child (a bare `bankml serve --native`, the same process),
-medians and the difference. The clients share the two cores with everything else.
+medians and the difference; and what Ray's own hops cost with none of ours (`ray_alone`: a deployment
+that answers "ok", and one that streams a second deployment's answer, as the ingress does a replica's).
+The clients share the two cores with everything else.
 """
 
 from __future__ import annotations
@@ -208,6 +210,48 @@ def latency(url: str, child_port: int, n: int) -> dict:
     return out
 
 
+def ray_floor(serve, url: str, child_port: int, n: int) -> dict:
+    """What Ray's own hops cost with none of ours: GET through the proxy to a deployment that answers
+    "ok" (one hop), and to one that asks a second deployment for its answer as a stream, as the ingress
+    asks a replica (two hops); medians against the same child's GET /health straight, in ms."""
+    from starlette.responses import PlainTextResponse
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Leaf:
+        async def stream(self):
+            yield b"ok"
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Front:
+        def __init__(self, leaf=None):
+            self.leaf = leaf.options(stream=True) if leaf is not None else None
+
+        async def __call__(self, request):
+            if self.leaf is None:
+                return PlainTextResponse("ok")
+            return PlainTextResponse(b"".join([c async for c in self.leaf.stream.remote()]))
+
+    serve.run(Front.bind(), name="floor1", route_prefix="/floor1")
+    serve.run(Front.options(name="Front2").bind(Leaf.bind()), name="floor2", route_prefix="/floor2")
+    direct = f"http://127.0.0.1:{child_port}/health"
+    times: dict[str, list[float]] = {"one_hop": [], "two_hops_streamed": [], "direct": []}
+    try:
+        with httpx.Client(timeout=60) as http:
+            for i in range(n + 2):
+                for where, target in (("one_hop", url + "/floor1"), ("two_hops_streamed", url + "/floor2"),
+                                      ("direct", direct)):
+                    t0 = time.perf_counter()
+                    assert http.get(target).status_code == 200
+                    if i >= 2:
+                        times[where].append((time.perf_counter() - t0) * 1000)
+    finally:
+        serve.delete("floor1")
+        serve.delete("floor2")
+    d = statistics.median(times["direct"])
+    return {name: {"ms_p50": round(statistics.median(v), 2), "added_ms_p50": round(statistics.median(v) - d, 2)}
+            for name, v in times.items() if name != "direct"} | {"direct_ms_p50": round(d, 2), "n": n}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -242,6 +286,8 @@ def main() -> int:
             warm(url, children, a.max_tokens)
             if replicas == 1:
                 proxy_latency = latency(url, next(iter(children.values()))["port"], a.latency_n)
+                proxy_latency["ray_alone"] = ray_floor(serve, url, next(iter(children.values()))["port"],
+                                                       a.latency_n)
             for clients in levels:
                 for shared in (True, False):
                     tag = f"r{replicas}-{routing}-c{clients}-{'shared' if shared else 'distinct'}"

@@ -152,6 +152,20 @@ def test_the_first_paint_shows_what_the_server_has(served, tmp_path):
     assert limiter["GPU memory share"].startswith("applies to a GPU only: ")
 
 
+def test_a_one_token_answer_shows_no_decode_rate(served, tmp_path):
+    """Its token came with the prompt's pass: the record's eval_tps (1 over the microseconds after it,
+    as the spec defines it) would read as thousands of tokens a second."""
+    exe = chromium()
+    server, _ = served
+    assert httpx.post(server.url("/v1/chat/completions"), json={**HI, "max_tokens": 1}, timeout=30).status_code == 200
+    r = browse(exe, tmp_path / "profile", server.url("/#poll=0"), "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = Cells()
+    page.feed(r.stdout)
+    newest = page.rows["answers-table"][1]
+    assert newest[3] == "1" and newest[6] == "one token, no decode", newest
+
+
 def test_charts_fill_while_answers_are_made_and_agree_with_the_server(served, tmp_path):
     exe = chromium()
     server, _ = served

@@ -28,6 +28,7 @@ psutil = pytest.importorskip("psutil")
 from gateway_helpers import free_port, tiny_model  # noqa: E402
 
 from bankml import signing  # noqa: E402
+from bankml.config import LimitsConfig  # noqa: E402
 from bankml.errors import ConfigInvalid  # noqa: E402
 from bankml.ray_app import REPLICA_HEADER, AppArgs, _score  # noqa: E402
 from bankml.ray_app import app as build_app  # noqa: E402
@@ -251,6 +252,18 @@ def test_the_gateways_own_rules_still_answer(served):
     assert httpx.get(base + "/no-such-route", timeout=30).status_code == 404
     r = httpx.get(base + "/health", headers={"host": "example.com"}, timeout=30)
     assert r.status_code == 403 and "loopback" in r.text
+
+
+def test_an_oversized_body_is_refused_by_the_ingress_in_each_apis_shape(served):
+    """The ingress reads a body only up to the gateway's bound; its 413 is in the route's dialect."""
+    base, big = served["base"], b"x" * (LimitsConfig().max_body_bytes + 1)
+    headers = {"content-type": "application/json"}
+    r = httpx.post(base + "/api/chat", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413 and set(r.json()) == {"error"}  # Ollama's
+    r = httpx.post(base + "/v1/messages", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"  # Anthropic's
+    r = httpx.post(base + "/v1/chat/completions", content=big, headers=headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413  # OpenAI's
 
 
 def test_a_shared_system_prompt_lands_on_the_same_replica(served):

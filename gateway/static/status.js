@@ -16,6 +16,9 @@ const WINDOW_S = 600;  // the charts keep this long; they span the time they hol
 // A prompt with this few tokens left to compute shows "cached": the rate of one or two tokens is one
 // forward pass's fixed cost (1-4 tok/s on a CPU), not the prompt throughput.
 const FEW_UNCACHED = 4;
+// An answer of one token has no decode to rate: its token came with the prompt's pass, and the record's
+// eval_tps (completion tokens over eval_ms, as llama-server's) is one over the microseconds after it.
+const ONE_TOKEN = "one token, no decode";
 const RATE_S = 10;  // a rate spans at least this much, once the page has held it
 const FIRST = "a rate needs two polls: at the next one";
 const $ = (id) => document.getElementById(id);
@@ -326,7 +329,7 @@ function renderAnswers(m) {
   $("answers-summary").textContent = summary;
   const rows = m.records.slice().reverse().map((r) => row(
     [clock(r.at), r.prompt_tokens, r.cached_tokens, r.completion_tokens, num(r.ttft_ms, 1), promptRate(r),
-      num(r.eval_tps, 2), r.finish, num(r.energy_j, 3), num(r.joules_per_token, 4)],
+      r.completion_tokens === 1 ? ONE_TOKEN : num(r.eval_tps, 2), r.finish, num(r.energy_j, 3), num(r.joules_per_token, 4)],
     [null, null, null, null, why(r, "ttft_ms"), "no uncached prompt tokens", "no completion tokens", null,
       why(r, "energy_j"), why(r, "joules_per_token") || why(r, "energy_j")]));
   fill($("answers-table").tBodies[0], rows, "no completed answer yet", 10);
