@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -87,6 +88,10 @@ def sanic_app(name: str, limits: Limits, routes: dict[tuple[str, str], Handler],
             response.headers["Vary"] = "Origin"
 
     if shutdown is not None:
+        @app.after_server_start
+        async def stop_signals(app):  # the first after-start listener: before the server says it listens
+            shutdown.take_signals(app, (signal.SIGINT, signal.SIGTERM))
+
         @app.before_server_stop
         async def end_connections(app):
             await shutdown.stop()

@@ -14,6 +14,13 @@ the process go; and the engine's native code cannot be interrupted. So `stop()` 
 still busy, flushes the logs and `os._exit`s at the grace period plus ENDED_CLOSE_S plus EXIT_MARGIN_S
 after the signal. Nothing is lost that would not be lost anyway: every answer has ended by then, and
 the receipts went out with them. A stop that ends normally never sees it (the thread is a daemon).
+
+The stop signals are the Shutdown's own (`take_signals`, from an after-start listener, before the
+server says it listens): Sanic runs its after-start listeners inside `loop.run_until_complete`, where
+the `loop.stop()` of its `app.stop()` ends that run, not the server's: the server then crashed ("Event
+loop stopped before Future completed") or served on as if never signalled (CI: a SIGTERM sent on the
+"listening on" line waited 15 s). So a stop waits until Sanic serves, and is asked again every
+STOP_RETRY_S until this Shutdown's stop has begun.
 """
 
 from __future__ import annotations
@@ -26,8 +33,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 log = logging.getLogger("bankml.gateway")
 
@@ -38,6 +45,7 @@ ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200
 # interpreter's exit; past it, the watchdog ends the process
 EXIT_MARGIN_S = 10.0
 FORCED_EXIT = 1  # the exit status of a process the watchdog ended (a normal stop exits 0, P0 128 + signal)
+STOP_RETRY_S = 0.1  # a stop asked while the server still starts is asked again this often until it begins
 
 
 class ExitWatchdog:
@@ -130,6 +138,29 @@ class Shutdown:
         self.open.discard(conn)
         if not self.open:
             self._none_open.set()
+
+    def take_signals(self, app: Any, signals: Iterable[int],
+                     on_signal: Callable[[int], None] | None = None) -> None:
+        """From an after-start listener (in the loop): each of `signals` stops `app` gracefully, after
+        `on_signal(signum)`. Sanic's own handlers for SIGINT and SIGTERM, if any, are replaced."""
+        loop = asyncio.get_running_loop()
+
+        def stop(signum: int) -> None:
+            if on_signal is not None:
+                on_signal(signum)
+            self.request_stop(app)
+
+        for sig in signals:
+            loop.add_signal_handler(sig, stop, sig)
+
+    def request_stop(self, app: Any) -> None:
+        """`app.stop()` once Sanic serves (`state.is_running`, set just before its loop runs for good);
+        until then, and until `stop()` has begun, asked again every STOP_RETRY_S (the module's text)."""
+        if self._stopping is not None:
+            return
+        if app.state.is_running:
+            app.stop(terminate=False)
+        asyncio.get_running_loop().call_later(STOP_RETRY_S, self.request_stop, app)
 
     async def stop(self) -> None:
         # Sanic runs its stop listeners once per listener: the second call waits for the first

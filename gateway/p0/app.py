@@ -24,7 +24,6 @@ loopback rules first (loopback.py, shared with --native unchanged).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -172,14 +171,11 @@ def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutd
         if shutdown is None:
             return install_stop_signals(lambda: state.spawned)
 
-        def stop(signum: int) -> None:
+        def stopping(signum: int) -> None:
             state.stop_signal = signum
             log.info("signal %s: stopping", signal.Signals(signum).name)
-            app.stop(terminate=False)
 
-        loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, stop, sig)
+        shutdown.take_signals(app, STOP_SIGNALS, stopping)
 
     if shutdown is not None:
         @app.before_server_stop
