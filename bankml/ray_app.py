@@ -215,7 +215,7 @@ class Replica:
         `affinity` and `avoid` are the router's (AffinityRouter)."""
         async for part in forward(self.client, self.child.url, request):
             if isinstance(part, Head):
-                part = Head(part.status, [*part.headers, (REPLICA_HEADER, self.replica_id)])
+                part = Head(part.status, [*part.headers, (REPLICA_HEADER, self.replica_id)], part.body)
             elif isinstance(part, Unavailable):
                 part = Unavailable(part.reason, self.replica_id)
             yield part
@@ -279,6 +279,8 @@ class Ingress:
             return _error(503, f"no replica's server took the request ({self.TRIES} tries): {head.reason}", target)
         if not isinstance(head, Head):
             return _error(502, "the replica answered without a head", target)
+        if head.body is not None:  # a whole answer, in one item
+            return Response(head.body, status_code=head.status, headers=_headers(head.headers))
         content_type = dict((k.lower(), v) for k, v in head.headers).get("content-type", "")
         return StreamingResponse(self._rest(stream, content_type, target), status_code=head.status,
                                  headers=_headers(head.headers))

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from bankml.replica import Forwarded, Head, Unavailable, error_body, error_chunk, forward
+from bankml.replica import WHOLE_BYTES, Forwarded, Head, Unavailable, error_body, error_chunk, forward
 
 
 @pytest.mark.parametrize("target", ["/v1/chat/completions", "/completion", "/v1/responses?x=1", "/"])
@@ -59,8 +59,39 @@ def test_a_child_that_takes_no_connection_is_unavailable_and_one_that_fails_answ
 
     parts = _collect(httpx.MockTransport(refuse), "/api/chat")
     assert len(parts) == 1 and isinstance(parts[0], Unavailable)
-    head, body = _collect(httpx.MockTransport(time_out), "/api/chat")
+    [head] = _collect(httpx.MockTransport(time_out), "/api/chat")  # a whole answer: its body in its head
     assert isinstance(head, Head) and head.status == 502
-    assert json.loads(body)["error"].startswith("the replica's server did not answer: ReadTimeout")
-    head, body = _collect(httpx.MockTransport(time_out), "/v1/messages")
-    assert json.loads(body)["error"]["type"] == "api_error"
+    assert json.loads(head.body)["error"].startswith("the replica's server did not answer: ReadTimeout")
+    [head] = _collect(httpx.MockTransport(time_out), "/v1/messages")
+    assert json.loads(head.body)["error"]["type"] == "api_error"
+
+
+class Chunks(httpx.AsyncByteStream):
+    def __init__(self, parts: list[bytes]):
+        self.parts = parts
+
+    async def __aiter__(self):
+        for part in self.parts:
+            yield part
+
+
+def test_a_small_whole_answer_comes_with_its_head_and_a_stream_or_a_large_one_in_pieces():
+    """One item through Ray's streamed call for a small answer (bench/replicas.py: each costs ms)."""
+    def small(request):
+        return httpx.Response(200, json={"status": "ok"})
+
+    def sse(request):
+        return httpx.Response(200, headers={"content-type": "text/event-stream", "content-length": "9"},
+                              stream=Chunks([b"data: 1\n\n"]))
+
+    def large(request):
+        return httpx.Response(200, headers={"content-length": str(WHOLE_BYTES + 1)},
+                              stream=Chunks([b"x" * WHOLE_BYTES, b"x"]))
+
+    [head] = _collect(httpx.MockTransport(small), "/health")
+    assert head.status == 200 and json.loads(head.body) == {"status": "ok"}
+    assert ("content-length", str(len(head.body))) in head.headers
+    head, *rest = _collect(httpx.MockTransport(sse), "/v1/chat/completions")
+    assert head.body is None and b"".join(rest) == b"data: 1\n\n"
+    head, *rest = _collect(httpx.MockTransport(large), "/props")
+    assert head.body is None and len(b"".join(rest)) == WHOLE_BYTES + 1
