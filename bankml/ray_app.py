@@ -77,7 +77,9 @@ class AppArgs:
     target_ongoing_requests: float = 4.0  # autoscaling's target per replica ([engine] max_seqs' default)
     routing: str = "affinity"  # affinity | pow2
     prefix_chars: int = 512  # the affinity key: this many characters of the system prompt + first message
-    imbalanced_threshold: int = 8  # affinity yields to the least loaded past this queue-length gap
+    # answers under way on a key's replica before the key's next replica takes the rest (the children's
+    # [engine] max_seqs: past it, an answer waits for a place in the batch)
+    affinity_bound: int = 4
     num_cpus: float = 1.0  # each replica's ray_actor_options
     num_gpus: float = 0.0
     max_ongoing_requests: int = 32  # per replica ([limits] max_connections' default: the child's own bound)
@@ -117,6 +119,8 @@ class AppArgs:
                                 f"min_replicas={self.min_replicas}")
         if self.prefix_chars < 1:
             raise ConfigInvalid("bankml.ray_app: prefix_chars must be positive")
+        if self.affinity_bound < 1:
+            raise ConfigInvalid("bankml.ray_app: affinity_bound must be positive (the children's max_seqs)")
 
     @property
     def autoscaling(self) -> bool:
@@ -146,18 +150,21 @@ class ReplicaSpec:
 
 
 class AffinityRouter(RequestRouter):
-    """Prefix-cache affinity: a request's key (the `affinity` keyword of Replica.forward) picks its
-    replica by rendezvous hashing over the replicas' ids (a replica that goes or comes moves only its own
-    keys), ranked first; the others follow as one rank, where Ray takes the least loaded. The preferred
-    replica is skipped when its queue is full or longer than the shortest by `imbalanced_threshold`.
+    """Prefix-cache affinity with bounded loads: a request's key (the `affinity` keyword of
+    Replica.forward) ranks the replicas by rendezvous hashing over their ids (a replica that goes or
+    comes moves only its own keys), and the request goes to the first in that order with fewer than
+    `affinity_bound` answers under way (a replica's batch: past it, an answer only waits there); when
+    all are at the bound, to the least loaded. So a key's requests fill its replica's batch, then its
+    second replica's, and so on: one shared system prompt uses every replica once the load asks for it,
+    each caching the prompt once, and a conversation stays where its pages are while there is room.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
     PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects.
-    The load it compares is its own count of the answers it sent each replica that have not finished
+    The load is the router's own count of the answers it sent each replica that have not finished
     (on_request_routed / on_request_completed): Ray's queue-length cache keeps the count a replica last
     reported, which after a burst stayed high and sent every next request of a key elsewhere."""
 
-    def initialize_state(self, imbalanced_threshold: int = 8, **kwargs) -> None:
-        self.imbalanced_threshold = imbalanced_threshold
+    def initialize_state(self, affinity_bound: int = 4, **kwargs) -> None:
+        self.affinity_bound = affinity_bound
         self.in_flight: dict[str, int] = {}  # replica id -> answers sent there, not finished
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -179,10 +186,10 @@ class AffinityRouter(RequestRouter):
         if not key or len(candidate_replicas) == 1:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         ranked = sorted(candidate_replicas, key=lambda r: _score(key, r.replica_id.unique_id), reverse=True)
-        load = [self.in_flight.get(r.replica_id.unique_id, 0) for r in ranked]
-        if load[0] - min(load) > self.imbalanced_threshold:
-            return [ranked[1:], ranked[:1]]
-        return [ranked[:1], ranked[1:]]
+        for i, replica in enumerate(ranked):
+            if self.in_flight.get(replica.replica_id.unique_id, 0) < self.affinity_bound:
+                return [[replica], ranked[:i] + ranked[i + 1:]]  # Ray's fallback: its queue is full
+        return [ranked]  # every one at the bound: Ray takes the least loaded
 
 
 def _score(key: str, replica: str) -> bytes:
@@ -332,7 +339,7 @@ def app(args: dict[str, str]) -> serve.Application:
     scaling: dict = ({"autoscaling_config": a.autoscaling_config()} if a.autoscaling
                      else {"num_replicas": a.replicas})
     router = ({"request_router_config": RequestRouterConfig(
-        request_router_class=AffinityRouter, request_router_kwargs={"imbalanced_threshold": a.imbalanced_threshold})}
+        request_router_class=AffinityRouter, request_router_kwargs={"affinity_bound": a.affinity_bound})}
         if a.routing == "affinity" else {})
     replica = serve.deployment(Replica, name="Replica", ray_actor_options={"num_cpus": a.num_cpus, "num_gpus": a.num_gpus},
                                max_ongoing_requests=a.max_ongoing_requests, health_check_period_s=2.0,

@@ -30,7 +30,7 @@ from gateway_helpers import free_port, tiny_model  # noqa: E402
 from bankml import signing  # noqa: E402
 from bankml.config import LimitsConfig  # noqa: E402
 from bankml.errors import ConfigInvalid  # noqa: E402
-from bankml.ray_app import REPLICA_HEADER, AppArgs, _score  # noqa: E402
+from bankml.ray_app import REPLICA_HEADER, AffinityRouter, AppArgs, _score  # noqa: E402
 from bankml.ray_app import app as build_app  # noqa: E402
 from bankml.replica import affinity_key  # noqa: E402
 
@@ -66,6 +66,53 @@ def test_the_affinity_key_is_the_system_prompt_and_first_message():
 
 
 # --- the cluster --------------------------------------------------------------------------------------
+
+
+class _Id:
+    def __init__(self, unique_id: str):
+        self.unique_id = unique_id
+
+
+class _Candidate:
+    def __init__(self, unique_id: str):
+        self.replica_id = _Id(unique_id)
+
+
+class _Pending:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.routing_context = type("Context", (), {"should_backoff": False})()
+
+
+def _route(router: AffinityRouter, candidates: list, **kwargs) -> list[list[str]]:
+    import asyncio
+
+    ranks = asyncio.run(router.choose_replicas(candidates, _Pending(**kwargs)))
+    return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+
+def test_affinity_fills_a_keys_replica_to_the_bound_then_its_next_replica():
+    """Bounded loads: a key's requests go to its first replica in rendezvous order until that one has
+    `affinity_bound` answers under way, then to its second, and so on; all at the bound: the least
+    loaded (Ray picks within the one rank). No cluster: the router's own choice."""
+    router = AffinityRouter.__new__(AffinityRouter)  # Ray's constructor wants a running deployment
+    router.initialize_state(affinity_bound=2)
+    candidates = [_Candidate(f"replica-{i}") for i in range(3)]
+    key = "You are a librarian."
+    order = sorted((c.replica_id.unique_id for c in candidates), key=lambda rid: _score(key, rid), reverse=True)
+    placed = []
+    for _ in range(6):
+        ranks = _route(router, candidates, affinity=key)
+        assert len(ranks) == 2 and len(ranks[0]) == 1 and set(ranks[0] + ranks[1]) == set(order)
+        placed.append(ranks[0][0])
+        router.on_request_routed(None, _Id(ranks[0][0]), None)
+    assert placed == [order[0]] * 2 + [order[1]] * 2 + [order[2]] * 2
+    assert _route(router, candidates, affinity=key) == [order]  # all at the bound: one rank, Ray's pick
+    router.on_request_completed(_Id(order[0]), "r1")
+    assert _route(router, candidates, affinity=key)[0] == [order[0]]  # room again on the key's own replica
+    router.on_request_completed(_Id(order[1]), "r2")
+    assert _route(router, candidates, affinity=key, avoid=(order[0],))[0] == [order[1]]  # a retry avoids one
+    assert len(_route(router, candidates)[0]) == 2  # no key: two at random (power of two choices)
 
 
 def _ray_processes(temp_dir: str) -> list[psutil.Process]:
@@ -279,15 +326,15 @@ def test_a_shared_system_prompt_lands_on_the_same_replica(served):
         assert first == max(ids, key=lambda rid: _score(key, rid))  # the rendezvous hash's choice
         chosen[system] = first
     assert set(chosen.values()) <= ids
-    # bursts, one after the other: below imbalanced_threshold, every request stays on the key's replica
+    # bursts, one after the other: up to affinity_bound (4) at once, every request stays on the key's replica
     system = "One long system prompt for a burst of clients, longer than the key. " * 10
     key = affinity_key(json.dumps(_chat(system, "Hello")).encode(), 512)
     owner = max(ids, key=lambda rid: _score(key, rid))
     for _ in range(3):
-        with ThreadPoolExecutor(6) as pool:
+        with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda i: _post(base, "/v1/chat/completions", _chat(system, f"Hello {i}", 30)).headers[
-                REPLICA_HEADER], range(6)))
-        assert got == [owner] * 6, got
+                REPLICA_HEADER], range(4)))
+        assert got == [owner] * 4, got
 
 
 def test_a_replica_with_a_bad_pin_is_refused_with_the_reason(served, tmp_path):
