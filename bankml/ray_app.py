@@ -154,7 +154,7 @@ class AffinityRouter(RequestRouter):
     Replica.forward) ranks the replicas by rendezvous hashing over their ids (a replica that goes or
     comes moves only its own keys), and the request goes to the first in that order with fewer than
     `affinity_bound` answers under way (a replica's batch: past it, an answer only waits there); when
-    all are at the bound, to the least loaded, the key's order breaking ties. So a key's requests fill its replica's batch, then its
+    all are at the bound, to the first in the key's order within one answer of the least loaded. So a key's requests fill its replica's batch, then its
     second replica's, and so on: one shared system prompt uses every replica once the load asks for it,
     each caching the prompt once, and a conversation stays where its pages are while there is room.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
@@ -188,8 +188,9 @@ class AffinityRouter(RequestRouter):
         ranked = sorted(candidate_replicas, key=lambda r: _score(key, r.replica_id.unique_id), reverse=True)
         load = [self.in_flight.get(r.replica_id.unique_id, 0) for r in ranked]
         room = [i for i, n in enumerate(load) if n < self.affinity_bound]
-        # the first with room; every one at the bound: the least loaded, the key's order breaking ties
-        i = room[0] if room else min(range(len(ranked)), key=lambda j: (load[j], j))
+        # the first with room; every one at the bound (answers wait anyway): the first in the key's order
+        # within one answer of the least loaded, so the wait is where the prompt's pages are
+        i = room[0] if room else next(j for j, n in enumerate(load) if n <= min(load) + 1)
         return [[ranked[i]], ranked[:i] + ranked[i + 1:]]  # the rest: Ray's fallback when its queue is full
 
 

@@ -93,8 +93,8 @@ def _route(router: AffinityRouter, candidates: list, **kwargs) -> list[list[str]
 
 def test_affinity_fills_a_keys_replica_to_the_bound_then_its_next_replica():
     """Bounded loads: a key's requests go to its first replica in rendezvous order until that one has
-    `affinity_bound` answers under way, then to its second, and so on; all at the bound: the least
-    loaded, ties to the key's order. No cluster: the router's own choice."""
+    `affinity_bound` answers under way, then to its second, and so on; all at the bound: the first in
+    the key's order within one answer of the least loaded. No cluster: the router's own choice."""
     router = AffinityRouter.__new__(AffinityRouter)  # Ray's constructor wants a running deployment
     router.initialize_state(affinity_bound=2)
     candidates = [_Candidate(f"replica-{i}") for i in range(3)]
@@ -107,12 +107,14 @@ def test_affinity_fills_a_keys_replica_to_the_bound_then_its_next_replica():
         placed.append(ranks[0][0])
         router.on_request_routed(None, _Id(ranks[0][0]), None)
     assert placed == [order[0]] * 2 + [order[1]] * 2 + [order[2]] * 2
-    # all at the bound: the least loaded, the key's order breaking ties
+    # all at the bound: the first in the key's order within one answer of the least loaded
     assert _route(router, candidates, affinity=key) == [[order[0]], order[1:]]
     router.on_request_routed(None, _Id(order[0]), None)
-    assert _route(router, candidates, affinity=key) == [[order[1]], [order[0], order[2]]]
-    router.on_request_completed(_Id(order[0]), "r0")
-    router.on_request_completed(_Id(order[0]), "r1")
+    assert _route(router, candidates, affinity=key) == [[order[0]], order[1:]]  # 3 against 2: still its own
+    router.on_request_routed(None, _Id(order[0]), None)
+    assert _route(router, candidates, affinity=key) == [[order[1]], [order[0], order[2]]]  # 4 against 2: not
+    for n in range(3):
+        router.on_request_completed(_Id(order[0]), f"r{n}")
     assert _route(router, candidates, affinity=key)[0] == [order[0]]  # room again on the key's own replica
     router.on_request_completed(_Id(order[1]), "r2")
     assert _route(router, candidates, affinity=key, avoid=(order[0],))[0] == [order[1]]  # a retry avoids one
