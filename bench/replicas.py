@@ -19,7 +19,7 @@ of its first (`later_rounds_on_first_replica`), and each replica's prefix-cache 
 read before and after). No run reuses another's prompts (a tag of the run leads every system prompt).
 The system prompt is longer than the affinity key (`prefix_chars`, 512 characters), so the key is the
 system prompt alone: with affinity, a shared one goes to one replica until that replica has
-`imbalanced_threshold` (8) more answers under way than the other; then the overflow goes to the other.
+`affinity_bound` (4, the children's max_seqs) answers under way; then the overflow goes to the other.
 
 The proxy's added latency: small requests (GET /health, and a 1-token chat), alternating through Ray's
 proxy and straight to the one replica's own child (a bare `bankml serve --native`, the same process),
