@@ -219,8 +219,8 @@ class Replica:
 
     async def forward(self, request: Forwarded, affinity: str | None = None,
                       avoid: tuple[str, ...] = ()) -> AsyncIterator[Head | bytes | Unavailable]:
-        """The child's answer: a Head (with this replica's id added), then the body as it comes; or
-        Unavailable when the child has exited (Ray's health check replaces this replica within seconds).
+        """The child's answer: a Head (with this replica's id added), then the body as it comes (a small
+        whole answer: in the Head alone); or Unavailable when the child has exited (Ray's health check replaces this replica within seconds).
         `affinity` and `avoid` are the router's (AffinityRouter)."""
         async for part in forward(self.client, self.child.url, request):
             if isinstance(part, Head):

@@ -9,7 +9,7 @@ so a killed actor leaves no server behind.
 
 `forward` passes one request to the child and yields its answer as it comes: a `Head` (status and
 headers) first, then the body's bytes as the child writes them (SSE and NDJSON streams stay
-incremental). A child that dies mid-answer ends a stream with an error event in the stream's own
+incremental); a small whole answer comes in its Head alone (one item through Ray, not two). A child that dies mid-answer ends a stream with an error event in the stream's own
 shape; every wait has a timeout. `affinity_key` is what the router hashes: the first characters of
 the system prompt and the first message. Imports neither ray nor jax: the tests and the bench use it
 without a cluster.
@@ -34,8 +34,8 @@ from gateway.http.errors import Api, anthropic_error, api_of
 
 LISTENING = re.compile(r"listening on http://(\S+):(\d+) and, for llama-server's clients")
 REFUSE = re.compile(r"bankml serve: refuse: (.*)")
-# hop-by-hop headers (RFC 9110 §7.6.1) and the body's length: each hop writes its own
 WHOLE_BYTES = 1 << 20  # an answer this small with a Content-Length comes with its head (Head.body)
+# hop-by-hop headers (RFC 9110 §7.6.1) and the body's length: each hop writes its own
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                         "upgrade", "content-length"})
 # the child, started by the actor: a thread that stops it (SIGTERM, the server's graceful stop) once the
@@ -223,9 +223,10 @@ def _api(target: str) -> Api:
 
 async def forward(client: httpx.AsyncClient, base_url: str,
                   request: Forwarded) -> AsyncIterator[Head | bytes | Unavailable]:
-    """Send `request` to the child at `base_url`; yield a Head, then the body as it arrives (or only
-    Unavailable, when the child took no connection). The Host header goes as the client sent it, so the
-    child's loopback rules judge it as they would directly."""
+    """Send `request` to the child at `base_url`; yield a Head, then the body as it arrives; or only a
+    Head with the whole body (a small answer that is not a stream, or the 502 of a child that failed
+    before its answer was whole); or only Unavailable, when the child took no connection. The Host
+    header goes as the client sent it, so the child's loopback rules judge it as they would directly."""
     headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_BY_HOP]
     try:
         upstream = client.build_request(request.method, base_url + request.target, headers=headers,
@@ -244,7 +245,13 @@ async def forward(client: httpx.AsyncClient, base_url: str,
     try:
         if (length.isdigit() and int(length) <= WHOLE_BYTES and "content-encoding" not in response.headers
                 and error_chunk(content_type, 0, "") is None):  # never a stream's (SSE, NDJSON) head
-            yield Head(response.status_code, headers, await response.aread())
+            try:
+                body = await response.aread()
+            except httpx.HTTPError as e:  # nothing went out yet: a whole 502 in the API's shape
+                message = f"the replica's server stopped mid-answer: {type(e).__name__}: {e}"
+                yield Head(502, [("content-type", "application/json")], error_body(502, message, request.target))
+                return
+            yield Head(response.status_code, headers, body)
             return
         yield Head(response.status_code, headers)
         async for chunk in response.aiter_raw():

@@ -352,8 +352,9 @@ def run_gateway(gated: GatedModel, options: ServeOptions, loader: Loader | None 
     served = [p.name for p in registry.pins if p.native] + [d.name for d in registry.derived.all()]
 
     async def announce(app) -> None:
-        # once the stop signals are the Shutdown's (sanic_app's first after-start listener): Sanic
-        # ignores SIGINT and SIGTERM while it starts, and a supervisor's signal sent on this line was lost
+        # once the stop signals are the Shutdown's (sanic_app's first after-start listener): Sanic's own
+        # handler, there before it, called app.stop() while Sanic still started, and a supervisor's
+        # signal sent on this line was lost
         log.info("bankml %s --native: models %s (at most %d resident); listening on http://%s and, for "
                  "llama-server's clients, http://%s", __version__, ", ".join(served), options.max_loaded, listen,
                  compat_listen)

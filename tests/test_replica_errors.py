@@ -66,6 +66,20 @@ def test_a_child_that_takes_no_connection_is_unavailable_and_one_that_fails_answ
     assert json.loads(head.body)["error"]["type"] == "api_error"
 
 
+class Cut(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b'{"choices": ['
+        raise httpx.ReadError("the child died")
+
+
+def test_a_small_answer_cut_before_it_is_whole_is_a_502_in_the_apis_shape():
+    def cut(request):
+        return httpx.Response(200, headers={"content-type": "application/json", "content-length": "100"}, stream=Cut())
+
+    [head] = _collect(httpx.MockTransport(cut), "/api/chat")
+    assert head.status == 502 and json.loads(head.body)["error"].startswith("the replica's server stopped mid-answer")
+
+
 class Chunks(httpx.AsyncByteStream):
     def __init__(self, parts: list[bytes]):
         self.parts = parts

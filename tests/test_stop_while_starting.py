@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,10 @@ SERVER = textwrap.dedent("""
         print("listening", flush=True)
         await asyncio.sleep(3)
 
+    @app.before_server_stop
+    async def stopping(app):
+        print("stopping", flush=True)
+
     @app.after_server_stop
     async def stopped(app):
         print("stopped", flush=True)
@@ -47,15 +52,18 @@ SERVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_during_the_after_start_listeners_stops_the_server(sig):
+@pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT], [signal.SIGTERM, signal.SIGINT, signal.SIGTERM]])
+def test_a_signal_during_the_after_start_listeners_stops_the_server(signals):
+    """One signal, or several (each asks the stop once: the before-stop listeners still run)."""
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "listening", proc.stderr.read()[-2000:]
-        proc.send_signal(sig)  # the slow listener is still running
+        for sig in signals:  # the slow listener is still running
+            proc.send_signal(sig)
+            time.sleep(0.05)
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "stopped" in out, err[-2000:]
+        assert proc.returncode == 0 and out.split() == ["stopping", "stopped"], (out, err[-2000:])
     finally:
         if proc.poll() is None:
             proc.kill()

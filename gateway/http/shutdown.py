@@ -19,8 +19,8 @@ The stop signals are the Shutdown's own (`take_signals`, from an after-start lis
 server says it listens): Sanic runs its after-start listeners inside `loop.run_until_complete`, where
 the `loop.stop()` of its `app.stop()` ends that run, not the server's: the server then crashed ("Event
 loop stopped before Future completed") or served on as if never signalled (CI: a SIGTERM sent on the
-"listening on" line waited 15 s). So a stop waits until Sanic serves, and is asked again every
-STOP_RETRY_S until this Shutdown's stop has begun.
+"listening on" line waited 15 s). So a stop waits until Sanic serves (looked at every STOP_RETRY_S),
+and is asked once.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ENDED_CLOSE_S = 1.0  # how long the ended answers (and refusals, drained for 200
 # interpreter's exit; past it, the watchdog ends the process
 EXIT_MARGIN_S = 10.0
 FORCED_EXIT = 1  # the exit status of a process the watchdog ended (a normal stop exits 0, P0 128 + signal)
-STOP_RETRY_S = 0.1  # a stop asked while the server still starts is asked again this often until it begins
+STOP_RETRY_S = 0.1  # a stop asked while the server still starts waits, looking this often, until it serves
 
 
 class ExitWatchdog:
@@ -125,6 +125,7 @@ class Shutdown:
         self.open: set[Connection] = set()
         self._none_open = asyncio.Event()
         self._stopping: asyncio.Future | None = None
+        self._stop_asked = False  # a stop signal came (request_stop)
 
     def add_listener(self, sock: socket.socket) -> None:
         """Call before the server takes the socket: the event loop may detach it from its object."""
@@ -154,13 +155,20 @@ class Shutdown:
             loop.add_signal_handler(sig, stop, sig)
 
     def request_stop(self, app: Any) -> None:
-        """`app.stop()` once Sanic serves (`state.is_running`, set just before its loop runs for good);
-        until then, and until `stop()` has begun, asked again every STOP_RETRY_S (the module's text)."""
-        if self._stopping is not None:
+        """`app.stop()` once Sanic serves (`state.is_running`, set just before its loop runs for good),
+        looked at again every STOP_RETRY_S until then (the module's text). Once: a second signal while
+        the first waits or stops asks nothing more (a second `app.stop()` inside Sanic's own shutdown
+        run would end that run early)."""
+        if self._stop_asked:
             return
+        self._stop_asked = True
+        self._stop_when_serving(app)
+
+    def _stop_when_serving(self, app: Any) -> None:
         if app.state.is_running:
             app.stop(terminate=False)
-        asyncio.get_running_loop().call_later(STOP_RETRY_S, self.request_stop, app)
+        elif self._stopping is None:
+            asyncio.get_running_loop().call_later(STOP_RETRY_S, self._stop_when_serving, app)
 
     async def stop(self) -> None:
         # Sanic runs its stop listeners once per listener: the second call waits for the first

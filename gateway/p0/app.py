@@ -24,6 +24,7 @@ loopback rules first (loopback.py, shared with --native unchanged).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -181,7 +182,10 @@ def create_p0_app(state: P0State, limits: Limits, name: str = "bankml_p0", shutd
         @app.before_server_stop
         async def end_connections(app):
             # a second signal while the answers finish stops the engine and exits at once (Sanic
-            # has just taken its SIGINT and SIGTERM handlers away)
+            # has just taken the loop's SIGINT and SIGTERM handlers away; SIGHUP's is taken here, or
+            # the loop's close would reset SIGHUP to its default, which ends the process at once
+            # without stopping llama-server)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             install_stop_signals(lambda: state.spawned)
             await shutdown.stop()
 
