@@ -154,8 +154,8 @@ class AffinityRouter(RequestRouter):
     Replica.forward) ranks the replicas by rendezvous hashing over their ids (a replica that goes or
     comes moves only its own keys), and the request goes to the first in that order with fewer than
     `affinity_bound` answers under way (a replica's batch: past it, an answer only waits there); when
-    all are at the bound, to the first in the key's order within one answer of the least loaded. So a key's requests fill its replica's batch, then its
-    second replica's, and so on: one shared system prompt uses every replica once the load asks for it,
+    all are at the bound, to the first in the key's order within one answer of the least loaded. So a
+    key's requests fill its replica's batch, then its second replica's, and so on: one shared system prompt uses every replica once the load asks for it,
     each caching the prompt once, and a conversation stays where its pages are while there is room.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
     PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects.
@@ -220,8 +220,8 @@ class Replica:
     async def forward(self, request: Forwarded, affinity: str | None = None,
                       avoid: tuple[str, ...] = ()) -> AsyncIterator[Head | bytes | Unavailable]:
         """The child's answer: a Head (with this replica's id added), then the body as it comes (a small
-        whole answer: in the Head alone); or Unavailable when the child has exited (Ray's health check replaces this replica within seconds).
-        `affinity` and `avoid` are the router's (AffinityRouter)."""
+        whole answer: in the Head alone); or Unavailable when the child has exited (Ray's health check
+        replaces this replica within seconds). `affinity` and `avoid` are the router's (AffinityRouter)."""
         async for part in forward(self.client, self.child.url, request):
             if isinstance(part, Head):
                 part = Head(part.status, [*part.headers, (REPLICA_HEADER, self.replica_id)], part.body)

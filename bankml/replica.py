@@ -9,8 +9,8 @@ so a killed actor leaves no server behind.
 
 `forward` passes one request to the child and yields its answer as it comes: a `Head` (status and
 headers) first, then the body's bytes as the child writes them (SSE and NDJSON streams stay
-incremental); a small whole answer comes in its Head alone (one item through Ray, not two). A child that dies mid-answer ends a stream with an error event in the stream's own
-shape; every wait has a timeout. `affinity_key` is what the router hashes: the first characters of
+incremental); a small whole answer comes in its Head alone (one item through Ray, not two). A child
+that dies mid-answer ends a stream with an error event in the stream's own shape; every wait has a timeout. `affinity_key` is what the router hashes: the first characters of
 the system prompt and the first message. Imports neither ray nor jax: the tests and the bench use it
 without a cluster.
 """
@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import httpx
 
 from gateway.http.errors import Api, anthropic_error, api_of
+from gateway.http.shutdown import sse_error_event
 
 LISTENING = re.compile(r"listening on http://(\S+):(\d+) and, for llama-server's clients")
 REFUSE = re.compile(r"bankml serve: refuse: (.*)")
 WHOLE_BYTES = 1 << 20  # an answer this small with a Content-Length comes with its head (Head.body)
+SSE, NDJSON = "text/event-stream", "application/x-ndjson"  # the streams' content types: never whole
 # hop-by-hop headers (RFC 9110 §7.6.1) and the body's length: each hop writes its own
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
                         "upgrade", "content-length"})
@@ -192,13 +194,18 @@ def error_chunk(content_type: str, status: int, message: str, target: str = "/")
     API's (the request's `target`, as gateway/http/errors.py's api_of reads it): an SSE event
     (llama-server's and OpenAI's error object; Anthropic's `event: error`, as its SDK reads one) or an
     NDJSON line (Ollama's `{"error": ...}`); None for any other body (it just ends short)."""
-    if content_type.startswith("text/event-stream"):
+    if content_type.startswith(SSE):
         if _api(target) is Api.ANTHROPIC:
             return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
-        return b"data: " + _openai_error(status, message) + b"\n\n"
-    if content_type.startswith("application/x-ndjson"):
+        return sse_error_event(status, message)
+    if content_type.startswith(NDJSON):
         return json.dumps({"error": message}).encode() + b"\n"
     return None
+
+
+def _failed(message: str, target: str) -> Head:
+    """The whole 502 of a child that failed before anything of its answer went out."""
+    return Head(502, [("content-type", "application/json")], error_body(502, message, target))
 
 
 def error_body(status: int, message: str, target: str = "/") -> bytes:
@@ -236,20 +243,18 @@ async def forward(client: httpx.AsyncClient, base_url: str,
         yield Unavailable(f"the replica's server took no connection: {e}")
         return
     except httpx.HTTPError as e:
-        message = f"the replica's server did not answer: {type(e).__name__}: {e}"
-        yield Head(502, [("content-type", "application/json")], error_body(502, message, request.target))
+        yield _failed(f"the replica's server did not answer: {type(e).__name__}: {e}", request.target)
         return
     content_type = response.headers.get("content-type", "")
     headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in HOP_BY_HOP - {"content-length"}]
     length = response.headers.get("content-length", "")
     try:
         if (length.isdigit() and int(length) <= WHOLE_BYTES and "content-encoding" not in response.headers
-                and error_chunk(content_type, 0, "") is None):  # never a stream's (SSE, NDJSON) head
+                and not content_type.startswith((SSE, NDJSON))):
             try:
                 body = await response.aread()
             except httpx.HTTPError as e:  # nothing went out yet: a whole 502 in the API's shape
-                message = f"the replica's server stopped mid-answer: {type(e).__name__}: {e}"
-                yield Head(502, [("content-type", "application/json")], error_body(502, message, request.target))
+                yield _failed(f"the replica's server stopped mid-answer: {type(e).__name__}: {e}", request.target)
                 return
             yield Head(response.status_code, headers, body)
             return
