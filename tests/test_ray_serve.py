@@ -38,6 +38,10 @@ pytestmark = pytest.mark.ray
 
 APP = "bankml"
 MODEL_NAME = "tiny-model.q8_0"
+# Deadlines for a busy machine (CI, beside the suite's other workers, where a child's warm-up takes
+# minutes): they only cost time when something is wrong.
+ANSWER_S = 180  # one answer, or the longest silence in a stream
+REPLACED_S = 600  # a killed replica's successor: a new actor, its child's gate, load and warm-up
 
 
 # --- the arguments and the key, without a cluster ----------------------------------------------------
@@ -138,11 +142,15 @@ def cluster():
     """Two Ray nodes on this machine, one CPU each; stopped at the end by the pids of its own processes,
     never `ray stop`, which would stop any other Ray on the machine. Ray's token authentication is off
     for this loopback cluster, explicitly: Ray 2.60 turns it on for a head that finds ~/.ray/auth_token,
-    which a second `ray start` does not then send, and this process read its mode when it imported ray."""
+    which a second `ray start` does not then send, and this process read its mode when it imported ray.
+    Serve's controller gives its HTTP proxy 5 s to start and kills it past that (Ray's
+    RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S), which fails `serve.start` on a busy machine (CI, beside the
+    suite's other workers: "killed by `ray.kill`... never ran"): the nodes' processes get minutes."""
     temp_dir = tempfile.mkdtemp(prefix="rbk", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    auth = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    saved = {k: os.environ.get(k) for k in (*auth, "RAY_ADDRESS")}
-    os.environ.update(auth)  # the driver (this process) too
+    ray_env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+    saved = {k: os.environ.get(k) for k in (*ray_env, "RAY_ADDRESS")}
+    os.environ.update(ray_env)  # the driver (this process) and the `ray start` below
     os.environ.pop("RAY_ADDRESS", None)
     gcs = free_port()
     common = ["--num-cpus", "1", "--disable-usage-stats", "--temp-dir", temp_dir]
@@ -192,10 +200,15 @@ def served(cluster, tmp_path_factory):
     before = os.environ.get("BANKML_CONFIG_DIR")  # the session's (conftest.py): given back at the end
     os.environ["BANKML_CONFIG_DIR"] = str(directory / "config")  # the builder makes the key here
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-    serve.run(build_app({"model": str(model), "fork": str(fork), "replicas": "2", "startup_timeout_s": "300",
-                         "read_timeout_s": "60"}), name=APP, route_prefix="/")
+    http = {"host": "127.0.0.1", "port": port}
+    try:
+        serve.start(http_options=http, proxy_location="HeadOnly")
+    except TimeoutError:  # the driver waits 60 s for the proxy (a constant); a busy machine takes longer
+        serve.start(http_options=http, proxy_location="HeadOnly")  # the controller above, its proxy on the way
+    serve.run(build_app({"model": str(model), "fork": str(fork), "replicas": "2", "startup_timeout_s": str(REPLACED_S),
+                         "read_timeout_s": str(ANSWER_S)}), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
+    _wait_for_the_proxy(base, timeout_s=REPLACED_S)
     yield {"base": base, "directory": directory, "model": model, "fork": fork}
     serve.delete(APP)
     if before is None:
@@ -204,14 +217,27 @@ def served(cluster, tmp_path_factory):
         os.environ["BANKML_CONFIG_DIR"] = before
 
 
-def _post(base: str, path: str, body: dict, timeout_s: float = 60) -> httpx.Response:
+def _wait_for_the_proxy(base: str, timeout_s: float) -> None:
+    """Until Ray's proxy answers its own health route (`/-/healthz`) with 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(base + "/-/healthz", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"Ray's proxy at {base} did not answer in {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
+def _post(base: str, path: str, body: dict, timeout_s: float = ANSWER_S) -> httpx.Response:
     return httpx.post(base + path, json=body, timeout=timeout_s)
 
 
 def _public_key(base: str):
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    return load_pem_public_key(httpx.get(base + "/bankml/receipt-key", timeout=30).json()["public_key"].encode())
+    return load_pem_public_key(httpx.get(base + "/bankml/receipt-key", timeout=ANSWER_S).json()["public_key"].encode())
 
 
 def _chat(system: str, user: str, max_tokens: int = 4, stream: bool = False) -> dict:
@@ -223,7 +249,7 @@ def _seen_replicas(base: str, tries: int = 60) -> dict[str, dict]:
     """GET /bankml/receipt-key until both replicas have answered: {replica id: its key info}."""
     seen: dict[str, dict] = {}
     for _ in range(tries):
-        r = httpx.get(base + "/bankml/receipt-key", timeout=30)
+        r = httpx.get(base + "/bankml/receipt-key", timeout=ANSWER_S)
         assert r.status_code == 200, r.text
         seen[r.headers[REPLICA_HEADER]] = r.json()
         if len(seen) == 2:
@@ -253,7 +279,7 @@ def test_openai_client_chat_plain_and_streamed_with_receipts_that_verify(served)
     openai = pytest.importorskip("openai")
     base = served["base"]
     key = _public_key(base)
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=ANSWER_S, max_retries=0)
     answer = client.chat.completions.create(**_chat("You are terse.", "Hello"))
     assert answer.choices[0].message.content and answer.usage.completion_tokens == 4
     receipt = answer.model_extra["bankml_receipt"]
@@ -270,7 +296,7 @@ def test_a_stream_passes_through_incrementally(served):
     """The first event arrives well before the last: Ray's proxy and the ingress do not buffer."""
     at: list[float] = []
     start = time.monotonic()
-    with httpx.stream("POST", served["base"] + "/v1/chat/completions", timeout=60,
+    with httpx.stream("POST", served["base"] + "/v1/chat/completions", timeout=ANSWER_S,
                       json=_chat("Count.", "Go", 200, stream=True)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers[REPLICA_HEADER]
@@ -283,7 +309,7 @@ def test_a_stream_passes_through_incrementally(served):
 def test_ollama_client_chat_and_its_receipt_on_the_wire(served):
     ollama = pytest.importorskip("ollama")
     base = served["base"]
-    client = ollama.Client(host=base, timeout=60)
+    client = ollama.Client(host=base, timeout=ANSWER_S)
     greedy = {"num_predict": 4, "temperature": 0}
     answer = client.chat(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], options=greedy)
     assert answer.message.content and answer.eval_count == 4
@@ -300,10 +326,10 @@ def test_ollama_client_chat_and_its_receipt_on_the_wire(served):
 def test_the_gateways_own_rules_still_answer(served):
     """The child judges every request: its 415, its 404, its Host rule, passed back as they are."""
     base = served["base"]
-    r = httpx.post(base + "/v1/chat/completions", content=b"{}", timeout=30)
+    r = httpx.post(base + "/v1/chat/completions", content=b"{}", timeout=ANSWER_S)
     assert r.status_code == 415 and r.headers[REPLICA_HEADER]
-    assert httpx.get(base + "/no-such-route", timeout=30).status_code == 404
-    r = httpx.get(base + "/health", headers={"host": "example.com"}, timeout=30)
+    assert httpx.get(base + "/no-such-route", timeout=ANSWER_S).status_code == 404
+    r = httpx.get(base + "/health", headers={"host": "example.com"}, timeout=ANSWER_S)
     assert r.status_code == 403 and "loopback" in r.text
 
 
@@ -311,11 +337,11 @@ def test_an_oversized_body_is_refused_by_the_ingress_in_each_apis_shape(served):
     """The ingress reads a body only up to the gateway's bound; its 413 is in the route's dialect."""
     base, big = served["base"], b"x" * (LimitsConfig().max_body_bytes + 1)
     headers = {"content-type": "application/json"}
-    r = httpx.post(base + "/api/chat", content=big, headers=headers, timeout=60)
+    r = httpx.post(base + "/api/chat", content=big, headers=headers, timeout=ANSWER_S)
     assert r.status_code == 413 and set(r.json()) == {"error"}  # Ollama's
-    r = httpx.post(base + "/v1/messages", content=big, headers=headers, timeout=60)
+    r = httpx.post(base + "/v1/messages", content=big, headers=headers, timeout=ANSWER_S)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"  # Anthropic's
-    r = httpx.post(base + "/v1/chat/completions", content=big, headers=headers, timeout=60)
+    r = httpx.post(base + "/v1/chat/completions", content=big, headers=headers, timeout=ANSWER_S)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413  # OpenAI's
 
 
@@ -398,7 +424,7 @@ class Load:
     def _one(self, base: str, i: int) -> None:
         result = self.results[i]
         try:
-            with httpx.stream("POST", base + "/v1/chat/completions", json=self.prompts[i], timeout=90) as r:
+            with httpx.stream("POST", base + "/v1/chat/completions", json=self.prompts[i], timeout=ANSWER_S) as r:
                 result["replica"], result["status"] = r.headers.get(REPLICA_HEADER), r.status_code
                 lines = []
                 for line in r.iter_lines():
@@ -410,13 +436,13 @@ class Load:
         except Exception as e:  # noqa: BLE001 (the test reports it)
             result["raised"] = repr(e)
 
-    def wait_streaming(self, timeout_s: float = 90) -> None:
+    def wait_streaming(self, timeout_s: float = ANSWER_S) -> None:
         """Until every stream has its first tokens."""
         deadline = time.monotonic() + timeout_s
         for _ in self.threads:
             assert self._streaming.acquire(timeout=max(0.0, deadline - time.monotonic())), self.results
 
-    def finish(self, timeout_s: float = 600) -> list[dict]:  # a stream silent 90 s raises (httpx) anyway
+    def finish(self, timeout_s: float = 600) -> list[dict]:  # a stream silent ANSWER_S raises (httpx) anyway
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -424,7 +450,7 @@ class Load:
         return self.results
 
 
-def _wait_replaced(base: str, gone: str, timeout_s: float = 240) -> set[str]:
+def _wait_replaced(base: str, gone: str, timeout_s: float = REPLACED_S) -> set[str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         states = serve.status().applications[APP].deployments["Replica"].replica_states
@@ -465,7 +491,7 @@ def test_a_killed_child_server_ends_its_streams_with_an_error_and_is_replaced(se
     victim, pid = min(ids), None
     handle = serve.get_deployment_handle("Replica", APP)
     for _ in range(40):  # the handle picks a replica at random: ask until the victim answers
-        identity = handle.identity.remote().result(timeout_s=30)
+        identity = handle.identity.remote().result(timeout_s=ANSWER_S)
         if identity["replica"] == victim:
             pid = identity["child_pid"]
             break
