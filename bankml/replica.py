@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.http.errors import Api, anthropic_error, api_of
-from gateway.http.shutdown import sse_error_event
+from gateway.http.errors import Api, anthropic_error, api_of, sse_error_event
 
 LISTENING = re.compile(r"listening on http://(\S+):(\d+) and, for llama-server's clients")
 REFUSE = re.compile(r"bankml serve: refuse: (.*)")
@@ -195,9 +194,7 @@ def error_chunk(content_type: str, status: int, message: str, target: str = "/")
     (llama-server's and OpenAI's error object; Anthropic's `event: error`, as its SDK reads one) or an
     NDJSON line (Ollama's `{"error": ...}`); None for any other body (it just ends short)."""
     if content_type.startswith(SSE):
-        if _api(target) is Api.ANTHROPIC:
-            return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
-        return sse_error_event(status, message)
+        return sse_error_event(status, message, _api(target))
     if content_type.startswith(NDJSON):
         return json.dumps({"error": message}).encode() + b"\n"
     return None

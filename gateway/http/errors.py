@@ -68,6 +68,16 @@ def anthropic_error(status: int, message: str) -> str:
     return jstr.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
+def sse_error_event(status: int, message: str, api: Api = Api.OPENAI) -> bytes:
+    """The SSE event that ends a stream cut after its head, in its API's shape: Anthropic's
+    `event: error` with its error object (as its SDK reads one), else llama-server's (and OpenAI's)
+    error object, gateway/openai/chat_writer.py's error_event."""
+    if api is Api.ANTHROPIC:
+        return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
+    return b"data: " + jstr.dumps({"error": {"code": status, "message": message,
+                                             "type": "unavailable_error"}}).encode() + b"\n\n"
+
+
 def error_body(error: BankmlError, api: Api = Api.OPENAI) -> str:
     """The JSON text of `error` in `api`'s shape."""
     if api is Api.OLLAMA:

@@ -38,8 +38,8 @@ from sanic.models.server_types import ConnInfo
 from sanic.server.protocols.http_protocol import HttpProtocol
 
 from bankml.config import LimitsConfig
-from gateway.http.errors import Api, anthropic_error, api_of
-from gateway.http.shutdown import SHUTTING_DOWN, Shutdown, sse_error_event
+from gateway.http.errors import Api, anthropic_error, api_of, sse_error_event
+from gateway.http.shutdown import SHUTTING_DOWN, Shutdown
 
 log = logging.getLogger("bankml.gateway")
 
@@ -472,10 +472,8 @@ class LoopbackProtocol(HttpProtocol):
         # every send of the handler went to the transport whole, so the stream stands at an event's end:
         # stop the handler, then end the body with the error event, in Sanic's chunked framing if it used it
         task.cancel()
-        why = SHUTTING_DOWN + "; the answer was cut short"
-        event = sse_error_event(503, why)
-        if api_of(getattr(getattr(http, "request", None), "path", "") or "") is Api.ANTHROPIC:
-            event = b"event: error\ndata: " + anthropic_error(503, why).encode() + b"\n\n"  # as its SDK reads one
+        path = getattr(getattr(http, "request", None), "path", "") or ""
+        event = sse_error_event(503, SHUTTING_DOWN + "; the answer was cut short", api_of(path))
         chunked = http.response_func == http.http1_response_chunked
         self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if chunked else event)
         self._close_transport()

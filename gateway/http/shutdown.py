@@ -26,7 +26,6 @@ and is asked once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -215,9 +214,3 @@ def _stop_listening(fd: int, family: int, address: tuple) -> None:
         return
     with socket.socket(family, socket.SOCK_STREAM) as blank:
         os.dup2(blank.fileno(), fd)
-
-
-def sse_error_event(status: int, message: str) -> bytes:
-    # the shape of gateway/openai/chat_writer.py's error_event, llama-server's error object
-    return b"data: " + json.dumps({"error": {"code": status, "message": message,
-                                             "type": "unavailable_error"}}).encode() + b"\n\n"
