@@ -22,18 +22,15 @@ from bankml.pin import fork_record
 from bankml.verify import gate_model
 from gateway.serving.derived import (
     Layer,
-    apply_ollama,
-    apply_openai,
     check_name,
     copy,
     create,
     delete,
     layer_digest,
-    layer_num_ctx,
     layer_text,
     read_manifest,
-    show_fields,
 )
+from gateway.serving.layer import apply_ollama, apply_openai, layer_num_ctx, show_fields
 from gateway.serving.modelfile import parse_modelfile
 from gateway.serving.registry import Registry
 

@@ -33,8 +33,8 @@ from bankml import jstr
 from bankml.errors import EngineFailed, InvalidRequest
 from gateway.http.errors import json_response
 from gateway.ollama.request import keep_alive, read_body, read_options
-from gateway.serving.derived import layer_num_ctx
 from gateway.serving.embeddings import check_input_count, embed_all, embedding_shape, vector_json
+from gateway.serving.layer import layer_num_ctx
 from gateway.serving.receipt import Tally
 from model.pooling import POOLING_NONE
 

@@ -21,7 +21,8 @@ from bankml.errors import BankmlError, InvalidRequest, ModelNotFound
 from gateway.http.body import parse_body
 from gateway.http.errors import json_response
 from gateway.http.timestamps import created_at
-from gateway.serving.derived import Derived, show_fields
+from gateway.serving.derived import Derived
+from gateway.serving.layer import show_fields
 from gateway.serving.registry import Pin, Registry, derived_with_base, model_name
 from gateway.serving.request_fields import gguf_defaults
 
@@ -93,7 +94,7 @@ def show_pin(pin: Pin, n_ctx: int | None) -> dict:
 
 
 def show_derived(d: Derived, base: Pin, n_ctx: int | None) -> dict:
-    """The base's answer with what the derived model changes (DERIVED's show_fields)."""
+    """The base's answer with what the derived model changes (gateway/serving/layer.py's show_fields)."""
     out = show_pin(base, n_ctx)
     out["details"] = details(base, base.tag)
     out["modified_at"] = d.created_at

@@ -21,7 +21,7 @@ from bankml.config import parse_keep_alive
 from bankml.errors import ConfigInvalid, InvalidRequest
 from gateway.http.json_values import exact_float, get_int
 from gateway.serving.constraints import ollama_format_grammar
-from gateway.serving.derived import apply_ollama
+from gateway.serving.layer import apply_ollama
 from gateway.serving.reasoning import Reasoning, ollama_think
 from gateway.serving.registry import Pin, Registry, Resolved
 from gateway.serving.request_fields import I32_MAX, read_fields
@@ -327,7 +327,7 @@ def parse_ollama(body: bytes, kind: str, registry: Registry, n_ctx: int, default
         messages = chat_messages(request["messages"])
     elif raw:
         raw_prompt = request["prompt"]
-    elif resolved.derived is not None:  # its conversation (gateway/serving/derived.py apply_ollama; never a client's)
+    elif resolved.derived is not None:  # its conversation (gateway/serving/layer.py apply_ollama; never a client's)
         messages = chat_messages(request["bankml_messages"])
     else:
         system = request.get("system")

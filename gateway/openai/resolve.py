@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bankml.errors import InvalidRequest
-from gateway.serving.derived import apply_openai, layer_num_ctx
+from gateway.serving.layer import apply_openai, layer_num_ctx
 
 
 def resolve_for(state, doc, by_name: bool):
