@@ -157,10 +157,10 @@ def cluster():
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     try:
         for args in (["--head", "--port", str(gcs), "--include-dashboard=false"], ["--address", f"127.0.0.1:{gcs}"]):
-            r = subprocess.run([*ray_cli, "start", *args, *common], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([*ray_cli, "start", *args, *common], capture_output=True, text=True, timeout=REPLACED_S)
             assert r.returncode == 0, r.stderr[-3000:]
         ray.init(address=f"127.0.0.1:{gcs}", logging_level="WARNING", log_to_driver=False)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + REPLACED_S
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         yield temp_dir
