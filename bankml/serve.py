@@ -66,7 +66,7 @@ def _join(options: ServeOptions, path: str | None, sha256: str | None, refused: 
         return None
     print(f"bankml serve: process {pid} of {n}: verified sha256 {sha256}, as every process did; following "
           f"process 0's steps", file=sys.stderr, flush=True)
-    from model.engine_thread import load_engine
+    from model.loading import load_engine
 
     return distributed.follow(path, load_engine)
 

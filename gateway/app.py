@@ -197,7 +197,7 @@ def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False
     contexts (unless [engine] kv_cache_bytes says), never most of what the device has left. kv_events:
     each engine loaded tells it what its prefix cache keys and forgets (--kv-events-config)."""
     def load(path: str):
-        from model.engine_thread import load_engine
+        from model.loading import load_engine
 
         loaded, backend = load_engine(path, n_ctx=n_ctx, max_seqs=engine.max_seqs,
                                       prefill_chunk=engine.max_prefill_bucket,
@@ -216,7 +216,7 @@ def native_loader(n_ctx: int, engine: EngineConfig, whole_contexts: bool = False
 def native_estimate(n_ctx: int, engine: EngineConfig) -> Estimate:
     """The bytes a load will hold before it runs: the file, and the KV pool it will get."""
     def estimate(path: str) -> int:
-        from model.engine_thread import whole_contexts_bytes
+        from model.loading import whole_contexts_bytes
 
         pool = engine.kv_cache_bytes
         if pool == 0:

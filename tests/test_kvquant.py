@@ -302,7 +302,7 @@ def test_the_device_layout_and_its_kernels_read_a_q8_0_pool_as_the_cpu_path_does
 def test_the_gateway_loads_and_budgets_the_configured_cache_type(q8_model):
     from bankml.config import EngineConfig
     from gateway.app import native_estimate, native_loader
-    from model.engine_thread import whole_contexts_bytes
+    from model.loading import whole_contexts_bytes
 
     path, config = q8_model
     engine_cfg = EngineConfig(max_seqs=2, cache_type="q8_0", compile_cache_dir="")

@@ -446,7 +446,7 @@ def test_with_several_pins_each_engine_gets_whole_contexts_and_says_what_it_hold
     # the real engine over a tiny GGUF: its pool is max_seqs whole contexts, not most of the device
     from bankml.config import EngineConfig
     from gateway.app import native_estimate
-    from model.engine_thread import load_engine, whole_contexts_bytes
+    from model.loading import load_engine, whole_contexts_bytes
 
     model, _ = tiny_model(tmp_path)
     engine, _ = load_engine(str(model), n_ctx=256, max_seqs=2, prefill_chunk=64, compile_cache_dir=None,

@@ -71,7 +71,8 @@ def anthropic_error(status: int, message: str) -> str:
 def sse_error_event(status: int, message: str, api: Api = Api.OPENAI) -> bytes:
     """The SSE event that ends a stream cut after its head, in its API's shape: Anthropic's
     `event: error` with its error object (as its SDK reads one), else llama-server's (and OpenAI's)
-    error object, gateway/openai/chat_writer.py's error_event."""
+    error object in `stream_error`'s shape, for a failure that is not a BankmlError (a child gone, a
+    shutdown)."""
     if api is Api.ANTHROPIC:
         return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
     return b"data: " + jstr.dumps({"error": {"code": status, "message": message,
