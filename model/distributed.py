@@ -230,7 +230,7 @@ def decode(data: bytes) -> tuple[str, tuple]:
 
 
 def follow(path: str, load: Callable[..., tuple[Any, str]]) -> int:
-    """A follower's life: load the model with process 0's settings (`load`: model/engine_thread.py's
+    """A follower's life: load the model with process 0's settings (`load`: model/loading.py's
     load_engine), compile what process 0 compiles first, then run every op it publishes until it stops.
     Returns the exit code; a failure (process 0 gone, a step that failed) ends this process at once."""
     pid = _cluster.process_id

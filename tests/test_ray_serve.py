@@ -34,13 +34,14 @@ from bankml.ray_app import REPLICA_HEADER, AffinityRouter, AppArgs, _score  # no
 from bankml.ray_app import app as build_app  # noqa: E402
 from bankml.replica import affinity_key  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]  # the first test also starts the cluster
 
 APP = "bankml"
 MODEL_NAME = "tiny-model.q8_0"
 # Deadlines for a busy machine (CI, beside the suite's other workers, where a child's warm-up takes
 # minutes): they only cost time when something is wrong.
-ANSWER_S = 180  # one answer, or the longest silence in a stream
+SILENCE_S = 180  # the ingress's read_timeout_s: the longest a child may be silent in an answer
+CLIENT_S = SILENCE_S + 60  # a client waits longer, so a silent stream ends with the ingress's error event
 REPLACED_S = 600  # a killed replica's successor: a new actor, its child's gate, load and warm-up
 
 
@@ -206,7 +207,7 @@ def served(cluster, tmp_path_factory):
     except TimeoutError:  # the driver waits 60 s for the proxy (a constant); a busy machine takes longer
         serve.start(http_options=http, proxy_location="HeadOnly")  # the controller above, its proxy on the way
     serve.run(build_app({"model": str(model), "fork": str(fork), "replicas": "2", "startup_timeout_s": str(REPLACED_S),
-                         "read_timeout_s": str(ANSWER_S)}), name=APP, route_prefix="/")
+                         "read_timeout_s": str(SILENCE_S)}), name=APP, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     _wait_for_the_proxy(base, timeout_s=REPLACED_S)
     yield {"base": base, "directory": directory, "model": model, "fork": fork}
@@ -230,14 +231,14 @@ def _wait_for_the_proxy(base: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _post(base: str, path: str, body: dict, timeout_s: float = ANSWER_S) -> httpx.Response:
+def _post(base: str, path: str, body: dict, timeout_s: float = CLIENT_S) -> httpx.Response:
     return httpx.post(base + path, json=body, timeout=timeout_s)
 
 
 def _public_key(base: str):
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    return load_pem_public_key(httpx.get(base + "/bankml/receipt-key", timeout=ANSWER_S).json()["public_key"].encode())
+    return load_pem_public_key(httpx.get(base + "/bankml/receipt-key", timeout=CLIENT_S).json()["public_key"].encode())
 
 
 def _chat(system: str, user: str, max_tokens: int = 4, stream: bool = False) -> dict:
@@ -249,7 +250,7 @@ def _seen_replicas(base: str, tries: int = 60) -> dict[str, dict]:
     """GET /bankml/receipt-key until both replicas have answered: {replica id: its key info}."""
     seen: dict[str, dict] = {}
     for _ in range(tries):
-        r = httpx.get(base + "/bankml/receipt-key", timeout=ANSWER_S)
+        r = httpx.get(base + "/bankml/receipt-key", timeout=CLIENT_S)
         assert r.status_code == 200, r.text
         seen[r.headers[REPLICA_HEADER]] = r.json()
         if len(seen) == 2:
@@ -279,7 +280,7 @@ def test_openai_client_chat_plain_and_streamed_with_receipts_that_verify(served)
     openai = pytest.importorskip("openai")
     base = served["base"]
     key = _public_key(base)
-    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=ANSWER_S, max_retries=0)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=CLIENT_S, max_retries=0)
     answer = client.chat.completions.create(**_chat("You are terse.", "Hello"))
     assert answer.choices[0].message.content and answer.usage.completion_tokens == 4
     receipt = answer.model_extra["bankml_receipt"]
@@ -296,7 +297,7 @@ def test_a_stream_passes_through_incrementally(served):
     """The first event arrives well before the last: Ray's proxy and the ingress do not buffer."""
     at: list[float] = []
     start = time.monotonic()
-    with httpx.stream("POST", served["base"] + "/v1/chat/completions", timeout=ANSWER_S,
+    with httpx.stream("POST", served["base"] + "/v1/chat/completions", timeout=CLIENT_S,
                       json=_chat("Count.", "Go", 200, stream=True)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert r.headers[REPLICA_HEADER]
@@ -309,7 +310,7 @@ def test_a_stream_passes_through_incrementally(served):
 def test_ollama_client_chat_and_its_receipt_on_the_wire(served):
     ollama = pytest.importorskip("ollama")
     base = served["base"]
-    client = ollama.Client(host=base, timeout=ANSWER_S)
+    client = ollama.Client(host=base, timeout=CLIENT_S)
     greedy = {"num_predict": 4, "temperature": 0}
     answer = client.chat(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], options=greedy)
     assert answer.message.content and answer.eval_count == 4
@@ -326,10 +327,10 @@ def test_ollama_client_chat_and_its_receipt_on_the_wire(served):
 def test_the_gateways_own_rules_still_answer(served):
     """The child judges every request: its 415, its 404, its Host rule, passed back as they are."""
     base = served["base"]
-    r = httpx.post(base + "/v1/chat/completions", content=b"{}", timeout=ANSWER_S)
+    r = httpx.post(base + "/v1/chat/completions", content=b"{}", timeout=CLIENT_S)
     assert r.status_code == 415 and r.headers[REPLICA_HEADER]
-    assert httpx.get(base + "/no-such-route", timeout=ANSWER_S).status_code == 404
-    r = httpx.get(base + "/health", headers={"host": "example.com"}, timeout=ANSWER_S)
+    assert httpx.get(base + "/no-such-route", timeout=CLIENT_S).status_code == 404
+    r = httpx.get(base + "/health", headers={"host": "example.com"}, timeout=CLIENT_S)
     assert r.status_code == 403 and "loopback" in r.text
 
 
@@ -337,11 +338,11 @@ def test_an_oversized_body_is_refused_by_the_ingress_in_each_apis_shape(served):
     """The ingress reads a body only up to the gateway's bound; its 413 is in the route's dialect."""
     base, big = served["base"], b"x" * (LimitsConfig().max_body_bytes + 1)
     headers = {"content-type": "application/json"}
-    r = httpx.post(base + "/api/chat", content=big, headers=headers, timeout=ANSWER_S)
+    r = httpx.post(base + "/api/chat", content=big, headers=headers, timeout=CLIENT_S)
     assert r.status_code == 413 and set(r.json()) == {"error"}  # Ollama's
-    r = httpx.post(base + "/v1/messages", content=big, headers=headers, timeout=ANSWER_S)
+    r = httpx.post(base + "/v1/messages", content=big, headers=headers, timeout=CLIENT_S)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"  # Anthropic's
-    r = httpx.post(base + "/v1/chat/completions", content=big, headers=headers, timeout=ANSWER_S)
+    r = httpx.post(base + "/v1/chat/completions", content=big, headers=headers, timeout=CLIENT_S)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413  # OpenAI's
 
 
@@ -424,7 +425,7 @@ class Load:
     def _one(self, base: str, i: int) -> None:
         result = self.results[i]
         try:
-            with httpx.stream("POST", base + "/v1/chat/completions", json=self.prompts[i], timeout=ANSWER_S) as r:
+            with httpx.stream("POST", base + "/v1/chat/completions", json=self.prompts[i], timeout=CLIENT_S) as r:
                 result["replica"], result["status"] = r.headers.get(REPLICA_HEADER), r.status_code
                 lines = []
                 for line in r.iter_lines():
@@ -436,13 +437,13 @@ class Load:
         except Exception as e:  # noqa: BLE001 (the test reports it)
             result["raised"] = repr(e)
 
-    def wait_streaming(self, timeout_s: float = ANSWER_S) -> None:
+    def wait_streaming(self, timeout_s: float = CLIENT_S) -> None:
         """Until every stream has its first tokens."""
         deadline = time.monotonic() + timeout_s
         for _ in self.threads:
             assert self._streaming.acquire(timeout=max(0.0, deadline - time.monotonic())), self.results
 
-    def finish(self, timeout_s: float = 600) -> list[dict]:  # a stream silent ANSWER_S raises (httpx) anyway
+    def finish(self, timeout_s: float = 600) -> list[dict]:  # a stream silent SILENCE_S ends (the ingress) anyway
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -491,7 +492,7 @@ def test_a_killed_child_server_ends_its_streams_with_an_error_and_is_replaced(se
     victim, pid = min(ids), None
     handle = serve.get_deployment_handle("Replica", APP)
     for _ in range(40):  # the handle picks a replica at random: ask until the victim answers
-        identity = handle.identity.remote().result(timeout_s=ANSWER_S)
+        identity = handle.identity.remote().result(timeout_s=CLIENT_S)
         if identity["replica"] == victim:
             pid = identity["child_pid"]
             break

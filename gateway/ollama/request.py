@@ -1,7 +1,7 @@
 """`POST /api/chat` and `POST /api/generate`: the body read once, before any model work (spec §1.1-§1.4).
 
 `parse_ollama` checks in the spec's order, which its body follows line by line: the JSON, `model`
-(registry.resolve; a derived model's layer applied, gateway/serving/derived.py), `keep_alive` (Ollama's
+(registry.resolve; a derived model's layer applied, gateway/serving/layer.py), `keep_alive` (Ollama's
 api/types.go Duration) and `stream`; an empty prompt only loads or unloads, and nothing else is checked
 on that path (as in the Rust bankml); then `format` (Ollama's llm/server.go), `tools` (chat only, `auto`:
 Ollama has no tool_choice), the refusals (§1.2), logprobs, `options` (the sampler built through
