@@ -155,8 +155,9 @@ class AffinityRouter(RequestRouter):
     comes moves only its own keys), and the request goes to the first in that order with fewer than
     `affinity_bound` answers under way (a replica's batch: past it, an answer only waits there); when
     all are at the bound, to the first in the key's order within one answer of the least loaded. So a
-    key's requests fill its replica's batch, then its second replica's, and so on: one shared system prompt uses every replica once the load asks for it,
-    each caching the prompt once, and a conversation stays where its pages are while there is room.
+    key's requests fill its replica's batch, then its second replica's, and so on: one shared system
+    prompt uses every replica once the load asks for it, each caching the prompt once, and a
+    conversation stays where its pages are while there is room.
     No key: two at random, the less loaded (Ray's power of two choices). Ray's own
     PrefixCacheAffinityRouter (ray.serve.llm) needs ray[llm]'s dependencies and its request objects.
     The load is the router's own count of the answers it sent each replica that have not finished

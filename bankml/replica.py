@@ -10,9 +10,9 @@ so a killed actor leaves no server behind.
 `forward` passes one request to the child and yields its answer as it comes: a `Head` (status and
 headers) first, then the body's bytes as the child writes them (SSE and NDJSON streams stay
 incremental); a small whole answer comes in its Head alone (one item through Ray, not two). A child
-that dies mid-answer ends a stream with an error event in the stream's own shape; every wait has a timeout. `affinity_key` is what the router hashes: the first characters of
-the system prompt and the first message. Imports neither ray nor jax: the tests and the bench use it
-without a cluster.
+that dies mid-answer ends a stream with an error event in the stream's own shape; every wait has a
+timeout. `affinity_key` is what the router hashes: the first characters of the system prompt and the
+first message. Imports neither ray nor jax: the tests and the bench use it without a cluster.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from gateway.http.errors import Api, anthropic_error, api_of, sse_error_event
+from gateway.http.errors import Api, anthropic_error, api_of, sse_error_event, unavailable_error
 
 LISTENING = re.compile(r"listening on http://(\S+):(\d+) and, for llama-server's clients")
 REFUSE = re.compile(r"bankml serve: refuse: (.*)")
@@ -214,11 +214,7 @@ def error_body(status: int, message: str, target: str = "/") -> bytes:
         return json.dumps({"error": message}).encode()
     if api is Api.ANTHROPIC:
         return anthropic_error(status, message).encode()
-    return _openai_error(status, message)
-
-
-def _openai_error(status: int, message: str) -> bytes:
-    return json.dumps({"error": {"code": status, "message": message, "type": "unavailable_error"}}).encode()
+    return unavailable_error(status, message).encode()
 
 
 def _api(target: str) -> Api:

@@ -68,15 +68,19 @@ def anthropic_error(status: int, message: str) -> str:
     return jstr.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
+def unavailable_error(status: int, message: str) -> str:
+    """llama-server's (and OpenAI's) error object for a failure that is not a BankmlError (a child
+    gone, a shutdown): `error_body`'s shape, type `unavailable_error`."""
+    return jstr.dumps({"error": {"code": status, "message": message, "type": "unavailable_error"}})
+
+
 def sse_error_event(status: int, message: str, api: Api = Api.OPENAI) -> bytes:
     """The SSE event that ends a stream cut after its head, in its API's shape: Anthropic's
-    `event: error` with its error object (as its SDK reads one), else llama-server's (and OpenAI's)
-    error object in `stream_error`'s shape, for a failure that is not a BankmlError (a child gone, a
-    shutdown)."""
+    `event: error` with its error object (as its SDK reads one), else `unavailable_error`'s
+    (`stream_error`'s framing)."""
     if api is Api.ANTHROPIC:
         return b"event: error\ndata: " + anthropic_error(status, message).encode() + b"\n\n"
-    return b"data: " + jstr.dumps({"error": {"code": status, "message": message,
-                                             "type": "unavailable_error"}}).encode() + b"\n\n"
+    return b"data: " + unavailable_error(status, message).encode() + b"\n\n"
 
 
 def error_body(error: BankmlError, api: Api = Api.OPENAI) -> str:
