@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_scheduler import VOCAB, Vocab, accounted, drain, tokens
+from scheduler_fakes import VOCAB, Vocab, accounted, drain, tokens
 from tiny_gguf import write_tiny_gguf
 
 from model import constraint as mc

@@ -38,7 +38,7 @@ from gateway_helpers import (
     split_response,
     tiny_model,
 )
-from test_scheduler import add, drain, make, prompt
+from scheduler_fakes import add, drain, make, prompt
 
 from gateway.http.liveness import Liveness, WorkerPool
 from gateway.http.shutdown import FORCED_EXIT, ExitWatchdog
